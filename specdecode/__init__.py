@@ -1,0 +1,1 @@
+"""specdecode: speculative decoding that keeps the target's output exactly, only sooner."""

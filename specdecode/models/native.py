@@ -1,0 +1,254 @@
+"""A compact forward pass for the Llama family (Llama, Mistral, Qwen2, SmolLM2).
+
+What speculative decoding needs from a target, and nothing else:
+- several tokens per pass at explicit rotary positions, written into a preallocated
+  `KVCache` at slots [cache.length, cache.length + T);
+- an optional boolean attention mask over the cache (True = may attend), so that a tree
+  of candidates is verified in one pass; without one, attention is causal by slot;
+- logits of the last `num_logits` positions only (prefill needs one row, not T), and on
+  request the hidden states of chosen layers (index 0 = embeddings, i = output of layer
+  i, num_layers = after the final norm, as transformers' `hidden_states` counts them).
+
+The numerics follow transformers' Llama (RMSNorm in fp32, rotate-half rope applied in
+the model dtype), so logits match it to rounding. q/k/v and gate/up are fused into one
+matrix each: fewer, larger products stream weights faster. Grouped-query attention
+folds the query heads of a group into the query length instead of copying keys.
+
+Batch invariance: a verify pass over k+1 tokens must give the same logits as k+1
+one-token passes, or greedy speculative output drifts from plain decoding. bf16 products
+are row-invariant here, but attention over the valid slots is not: the kernel splits keys
+into blocks by their count, so the rounding of a row depends on how many keys the call
+sees. Every call therefore attends over the whole cache buffer, masked, whose length is a
+multiple of the kernel's 512-key block (kv_cache.py); masked blocks add exact zeros.
+
+Left out: sliding windows, rope types other than default and llama3, anything but
+silu MLPs; `load.py` sends such models to the transformers adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .kv_cache import KVCache
+from .linear import Linear
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # (B, num_logits, vocab) float32
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # each (B, T, hidden)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # llama3: slow down low frequencies by `factor`, keep high ones, blend in between.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class NativeModel:
+    backend = "native"
+
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16):
+        self.config = config
+        self.dtype = dtype
+        c = config
+
+        weights = dict(weights)  # popped as used, so fused copies do not double peak memory
+
+        def w(name: str) -> torch.Tensor:
+            return weights.pop(name).to(dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return weights.pop(name).to(dtype) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers: list[Layer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
+            gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            gate_b, up_b = opt(p + "mlp.gate_proj.bias"), opt(p + "mlp.up_proj.bias")
+            self.layers.append(Layer(
+                attn_norm=w(p + "input_layernorm.weight"),
+                qkv=Linear(qkv_w, qkv_b),
+                o=Linear(w(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
+                mlp_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=Linear(gate_up_w, None if gate_b is None else torch.cat([gate_b, up_b])),
+                down=Linear(w(p + "mlp.down_proj.weight"), opt(p + "mlp.down_proj.bias")),
+            ))
+        self.norm = w("model.norm.weight")
+        head = weights.pop("lm_head.weight", None) if not c.tie_word_embeddings else None
+        self.lm_head = Linear(self.embed if head is None else head.to(dtype))
+        self._inv_freq = rope_inv_freq(c)
+        self._cos = self._sin = torch.empty(0, c.head_dim)
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> "NativeModel":
+        folder = Path(folder)
+        config = ModelConfig.from_folder(folder)
+        return cls(config, load_safetensors(folder), dtype)
+
+    # ---- cache and bookkeeping -------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size  # rows of the LM head; may exceed the tokenizer's vocabulary
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.config.max_position_embeddings
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        c = self.config
+        max_len = max_len or min(c.max_position_embeddings, 4096)
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, max_len, c.head_dim, self.dtype)
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decoding step streams: every layer and the LM head.
+
+        The embedding lookup reads one row, so it does not count.
+        """
+        per_layer = [l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
+                     + 2 * l.attn_norm.numel() * l.attn_norm.element_size() for l in self.layers]
+        return sum(per_layer) + self.lm_head.nbytes
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        needed = int(positions.max()) + 1
+        if needed > self._cos.shape[0]:
+            n = max(needed, 2 * self._cos.shape[0], 1024)
+            freqs = torch.outer(torch.arange(n, dtype=torch.float32), self._inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return self._cos[positions], self._sin[positions]
+
+    # ---- the forward pass --------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # (B, T) long
+        cache: KVCache,
+        positions: torch.Tensor | None = None,  # (T,) or (B, T); default: the slot indices
+        mask: torch.Tensor | None = None,  # (T, S) or (B, T, S) bool over slots, S = cache.length + T
+        hidden_layers: Sequence[int] = (),
+        num_logits: int | None = None,  # logits for the last num_logits positions; None = all
+    ) -> ForwardOutput:
+        c = self.config
+        B, T = tokens.shape
+        start = cache.length
+        cache.check_room(T)
+        if positions is None:
+            positions = torch.arange(start, start + T)
+        cos, sin = self._rope(positions)  # (T, hd) or (B, T, hd)
+        if cos.dim() == 3:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd) broadcast over heads
+        group = c.num_heads // c.num_kv_heads
+        attn_mask = self._attention_mask(mask, T, start, cache.max_len, group)
+
+        x = F.embedding(tokens, self.embed)  # (B, T, H)
+        hidden: dict[int, torch.Tensor] = {}
+        if 0 in hidden_layers:
+            hidden[0] = x
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
+            x = x + self._attention(layer, h, cos, sin, cache, i, attn_mask, group)
+            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+            if i + 1 in hidden_layers and i + 1 < c.num_layers:
+                hidden[i + 1] = x
+        cache.advance(T)
+        x = rms_norm(x, self.norm, c.rms_norm_eps)
+        if c.num_layers in hidden_layers:
+            hidden[c.num_layers] = x
+        if num_logits is not None:
+            x = x[:, T - num_logits:]
+        return ForwardOutput(self.lm_head(x).float(), hidden)
+
+    __call__ = forward
+
+    def _attention_mask(self, mask: torch.Tensor | None, T: int, start: int, max_len: int, group: int) -> torch.Tensor | None:
+        """Boolean mask shaped for attention with query heads folded into the length."""
+        if mask is None:
+            slots = torch.arange(start + T)
+            mask = slots[None, :] <= (start + torch.arange(T))[:, None]  # causal by slot
+        elif mask.shape[-2:] != (T, start + T):
+            raise ValueError(f"mask must be (..., {T}, {start + T}) over the cache, got {tuple(mask.shape)}")
+        if mask.dim() == 2:
+            mask = mask[None]
+        mask = F.pad(mask, (0, max_len - start - T), value=False)  # slots past the new tokens
+        # rows (g, t) in the folded layout, so repeat the T rows once per query head in a group
+        return mask[:, None].repeat(1, 1, group, 1)  # (B or 1, 1, group*T, max_len)
+
+    def _attention(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: KVCache, index: int, attn_mask: torch.Tensor | None, group: int) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x.shape
+        nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+        q, k, v = layer.qkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, nkv, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        keys, values = cache.write(index, k, v)  # (B, nkv, max_len, hd), the whole buffer
+        q = q.reshape(B, nkv, group * T, hd)  # query heads of a group folded into the length
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
+        out = out.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+        return layer.o(out)
+
+
+def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a transformers folder, single-file or sharded."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(folder / name, framework="pt") as f:
+            for key in f.keys():
+                weights[key] = f.get_tensor(key)
+    return weights
