@@ -1,0 +1,132 @@
+"""The Python API: `generate()` and `stream()` for a prompt, and a transformers-style model.
+
+    >>> import specdecode
+    >>> out = specdecode.generate("Write quicksort in Python.", draft="qwen2.5-coder-0.5b-instruct")
+    >>> out.text, out.stats.mean_accepted_length
+
+    >>> target = specdecode.load_model("qwen2.5-coder-1.5b-instruct")
+    >>> ids = target.generate(**target.tokenizer("def fib(n):", return_tensors="pt"),
+    ...                       prompt_lookup_num_tokens=4, max_new_tokens=64)
+
+Loaded models are kept for the life of the process, keyed by (source, dtype, backend).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from .drafters import DraftModel, PromptLookup, check_same_tokenizer
+from .engine import decode
+from .errors import SpecDecodeError
+from .events import Done, Round, Stats
+from .models.load import ModelInfo, load
+from .prompts import encode_prompt
+from .sampling import SamplingConfig
+from .stopping import StopCondition
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+DRAFTERS = ("draft-model", "prompt-lookup")
+DEFAULT_K = {"draft-model": 4, "prompt-lookup": 4}
+
+
+@dataclass
+class Model:
+    """A loaded model with its tokenizer; `generate` mirrors transformers' signature."""
+
+    model: object
+    tokenizer: object
+    info: ModelInfo
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 assistant_model: "Model | None" = None, prompt_lookup_num_tokens: int | None = None,
+                 num_assistant_tokens: int | None = None, max_new_tokens: int = 20, do_sample: bool = False,
+                 temperature: float = 1.0, top_k: int = 50, top_p: float = 1.0,
+                 generator: torch.Generator | None = None, **unused) -> torch.Tensor:
+        """Like transformers' `generate` for one sequence: returns (1, prompt + new) ids."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise SpecDecodeError(f"input_ids must be (1, T): one sequence, got {tuple(input_ids.shape)}")
+        if assistant_model is not None and prompt_lookup_num_tokens is not None:
+            raise SpecDecodeError("pass assistant_model= or prompt_lookup_num_tokens=, not both")
+        prompt = input_ids[0][attention_mask[0].bool()] if attention_mask is not None else input_ids[0]
+        sampling = SamplingConfig(temperature, top_k, top_p) if do_sample else SamplingConfig()
+        drafter, k = None, 0
+        if assistant_model is not None:
+            drafter, k = make_draft_model(self, assistant_model), num_assistant_tokens or DEFAULT_K["draft-model"]
+        elif prompt_lookup_num_tokens is not None:
+            drafter, k = PromptLookup(), prompt_lookup_num_tokens
+        stop = StopCondition(frozenset(self.info.eos_token_ids), max_new_tokens=max_new_tokens)
+        new = [t for ev in decode(self.model, prompt.tolist(), stop, sampling, drafter, k, generator)
+               if isinstance(ev, Round) for t in ev.token_ids]
+        return torch.cat([prompt, torch.tensor(new, dtype=torch.long)])[None]
+
+
+@functools.lru_cache(maxsize=4)
+def load_model(source: str = DEFAULT_TARGET, dtype: str | None = None, backend: str = "auto") -> Model:
+    return Model(*load(source, dtype, backend))
+
+
+def make_draft_model(target: Model, draft: Model) -> DraftModel:
+    check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    return DraftModel(draft.model, target.model.vocab_size)
+
+
+def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: str | None):
+    """The drafter a front end asked for: a name, or a draft model's name (implies draft-model)."""
+    if drafter is None and draft is None:
+        return None
+    if drafter is None:
+        drafter = "draft-model"
+    if drafter not in DRAFTERS:
+        raise SpecDecodeError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    if drafter == "prompt-lookup":
+        if draft is not None:
+            raise SpecDecodeError("--draft names a draft model; it does not go with the prompt-lookup drafter")
+        return PromptLookup()
+    return make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: Stats
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+def stream(prompt: str | list[dict], target: str = DEFAULT_TARGET, *, draft: str | None = None,
+           drafter: str | None = None, k: int | None = None, max_new_tokens: int = 256,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+           stop: Sequence[str] = (), chat: bool = True, dtype: str | None = None) -> Iterator[Round | Done]:
+    """Yields the engine's events: a `Round` per target pass, then `Done`."""
+    target_model = load_model(target, dtype)
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    the_drafter = make_drafter(target_model, drafter, draft, dtype)
+    k = k if k is not None else DEFAULT_K.get(getattr(the_drafter, "name", ""), 4)
+    stop_condition = StopCondition(frozenset(target_model.info.eos_token_ids), tuple(stop), max_new_tokens,
+                                   target_model.tokenizer)
+    prompt_ids = encode_prompt(target_model.tokenizer, prompt, chat)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    yield from decode(target_model.model, prompt_ids, stop_condition, sampling, the_drafter, k, generator)
+
+
+def generate(prompt: str | list[dict], target: str = DEFAULT_TARGET, **options) -> Generation:
+    """Generate a reply; options as `stream`. Returns text, token ids, finish reason, stats."""
+    tokens: list[int] = []
+    for event in stream(prompt, target, **options):
+        if isinstance(event, Round):
+            tokens += event.token_ids
+        else:
+            tokenizer = load_model(target, options.get("dtype")).tokenizer
+            text = tokenizer.decode(tokens, skip_special_tokens=True)
+            stop = StopCondition(stop_strings=tuple(options.get("stop", ())), tokenizer=tokenizer)
+            return Generation(stop.cut_text(text), tokens, event.reason, event.stats)
+    raise AssertionError("the engine ended without a Done event")

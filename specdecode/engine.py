@@ -1,0 +1,111 @@
+"""The speculative decoding loop: prefill, then rounds of propose -> verify -> accept.
+
+Each round the drafter proposes up to k tokens; the target runs once over the pending
+token and the k drafts (k+1 positions, written into its cache); the acceptance rule keeps
+a prefix of the drafts and adds one token of the target's own; the cache is rewound past
+the rejected drafts. Without a drafter (or when it proposes nothing) a round is a plain
+decoding step, so plain and speculative decoding share every line that decides tokens.
+
+Cache invariant: the target's cache holds every context token except the last emitted
+one, which is the first input of the next round.
+
+The loop yields `Round` events and a final `Done` (events.py); it never formats text.
+Left out: trees (a later rule in acceptance.py), batches of sequences.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from .acceptance import greedy_chain, one_hot_probs, rejection_chain
+from .drafters.base import Drafter
+from .errors import SpecDecodeError
+from .events import Done, Round, Stats
+from .prompts import check_fits
+from .sampling import SamplingConfig, logits_to_probs, sample
+from .stopping import StopCondition
+
+
+def decode(
+    target,
+    prompt_ids: Sequence[int],
+    stop: StopCondition,
+    sampling: SamplingConfig = SamplingConfig(),
+    drafter: Drafter | None = None,
+    k: int = 4,
+    generator: torch.Generator | None = None,
+) -> Iterator[Round | Done]:
+    if drafter is not None and k < 1:
+        raise SpecDecodeError(f"the draft length k must be >= 1, got {k}")
+    if not prompt_ids:
+        raise SpecDecodeError("the prompt is empty")
+    check_fits(len(prompt_ids), stop.max_new_tokens, target.max_position_embeddings)
+    started = time.perf_counter()
+    stats = Stats(prompt_tokens=len(prompt_ids))
+    if stop.max_new_tokens == 0:
+        stats.wall_s = time.perf_counter() - started
+        yield Done("length", stats)
+        return
+
+    room = min(len(prompt_ids) + stop.max_new_tokens + k + 1, target.max_position_embeddings)
+    cache = target.new_cache(1, room)
+    logits = target(torch.tensor([list(prompt_ids)]), cache, num_logits=1).logits[0]  # (1, V)
+    first = _pick(logits, sampling, generator)[0]
+    stats.prefill_s = time.perf_counter() - started
+    context = list(prompt_ids) + [first]
+    new_tokens = [first]
+    stats.new_tokens = 1
+    keep, reason = stop.check(new_tokens, 0)
+    yield Round((first,), 0, 0, 0.0, stats.prefill_s)
+
+    while reason is None:
+        t0 = time.perf_counter()
+        budget = min(stop.max_new_tokens - len(new_tokens), cache.max_len - cache.length) - 1
+        draft_tokens, draft_probs = _propose(drafter, context, min(k, budget), sampling, generator)
+        t1 = time.perf_counter()
+        num_accepted, next_token = _verify(target, cache, context[-1], draft_tokens, draft_probs, sampling, generator)
+        cache.rewind(len(draft_tokens) - num_accepted)
+        t2 = time.perf_counter()
+
+        emitted = draft_tokens[:num_accepted].tolist() + [next_token]
+        checked = len(new_tokens)
+        new_tokens += emitted
+        keep, reason = stop.check(new_tokens, checked)
+        emitted = emitted[: keep - checked]
+        del new_tokens[keep:]
+        context += emitted
+        stats.add_round(len(draft_tokens), num_accepted, len(emitted), t1 - t0, t2 - t1)
+        yield Round(tuple(emitted), len(draft_tokens), min(num_accepted, len(emitted)), t1 - t0, t2 - t1)
+
+    stats.wall_s = time.perf_counter() - started
+    yield Done(reason, stats)
+
+
+def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator) -> list[int]:
+    """Tokens for rows of logits (n, V): argmax when greedy, else a sample."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1).tolist()
+    return sample(logits_to_probs(logits, sampling), generator).tolist()
+
+
+def _propose(drafter: Drafter | None, context: list[int], k: int, sampling: SamplingConfig, generator):
+    if drafter is None or k < 1:
+        return torch.empty(0, dtype=torch.long), None
+    proposal = drafter.propose(context, k, sampling, generator)
+    return proposal.tokens[:k], (None if proposal.probs is None else proposal.probs[:k])
+
+
+def _verify(target, cache, pending: int, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+            sampling: SamplingConfig, generator) -> tuple[int, int]:
+    """One target pass over [pending, drafts...]; returns (num_accepted, next_token)."""
+    inputs = torch.cat([torch.tensor([pending]), draft_tokens])[None]  # (1, k+1)
+    logits = target(inputs, cache).logits[0]  # (k+1, V)
+    if sampling.greedy:
+        return greedy_chain(draft_tokens, logits.argmax(dim=-1))
+    target_probs = logits_to_probs(logits, sampling)  # (k+1, V)
+    if draft_probs is None:  # a deterministic drafter: all its mass on what it proposed
+        draft_probs = one_hot_probs(draft_tokens, target_probs.shape[-1])
+    return rejection_chain(draft_tokens, draft_probs, target_probs, generator)

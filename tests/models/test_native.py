@@ -1,0 +1,113 @@
+"""The native forward against transformers on the same weights, and its cache moves.
+
+Tolerances, per dtype:
+- fp32: |native - transformers| <= 2e-4 absolute on logits (observed: 0 to 5e-5; the
+  two differ only in attention kernels and summation order).
+- bf16: rounding to bf16 at every layer moves logits far more than the implementation
+  does, so native bf16 is compared with the fp32 reference and must be about as close to it
+  as transformers' own bf16 run: error <= 1.5 x transformers' bf16 error + 0.05, and the
+  argmax agrees with fp32 wherever fp32's top-2 margin exceeds twice that error bound.
+"""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdecode.models.native import NativeModel
+from tests.conftest import save_tiny
+
+PROMPT = [[3, 17, 42, 8, 91, 5, 23, 66, 12, 7, 50, 2]]
+
+
+def hf_logits(folder, dtype, ids, hidden=False):
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    with torch.no_grad():
+        out = model(torch.tensor(ids), output_hidden_states=hidden)
+    return out
+
+
+def check_against_transformers(folder, ids):
+    reference = hf_logits(folder, torch.float32, ids, hidden=True)
+    native32 = NativeModel.from_folder(folder, torch.float32)
+    layers = native32.config.num_layers
+    out = native32(torch.tensor(ids), native32.new_cache(), hidden_layers=(0, 1, layers))
+    assert (out.logits - reference.logits).abs().max() <= 2e-4
+    for i in (0, 1, layers):
+        assert (out.hidden_states[i] - reference.hidden_states[i]).abs().max() <= 2e-4
+
+    hf_bf16 = hf_logits(folder, torch.bfloat16, ids).logits.float()
+    native16 = NativeModel.from_folder(folder, torch.bfloat16)
+    logits16 = native16(torch.tensor(ids), native16.new_cache()).logits
+    bound = 1.5 * (hf_bf16 - reference.logits).abs().max() + 0.05
+    assert (logits16 - reference.logits).abs().max() <= bound
+    top2 = reference.logits.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 2 * bound
+    assert torch.equal(logits16.argmax(-1)[clear], reference.logits.argmax(-1)[clear])
+
+
+def test_tiny_llama_matches_transformers(tiny_llama):
+    check_against_transformers(tiny_llama, PROMPT)
+
+
+def test_tiny_qwen2_matches_transformers(tiny_qwen2):
+    check_against_transformers(tiny_qwen2, PROMPT)
+
+
+def test_tiny_llama3_rope_scaling_matches_transformers(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    folder = save_tiny(tmp_path, "llama", seed=3, rope_parameters=rope)
+    check_against_transformers(folder, [list(range(1, 90))])
+
+
+@pytest.mark.real
+def test_smollm2_matches_transformers(smollm2_folder):
+    check_against_transformers(smollm2_folder, [[1, 504, 3154, 314, 216, 1345, 28, 49, 30, 9427, 282, 1250]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rewind_and_compact_then_continue_equals_recompute(tiny_qwen2, dtype):
+    model = NativeModel.from_folder(tiny_qwen2, dtype)
+    seq = torch.tensor(PROMPT)
+    full = model(seq, model.new_cache()).logits  # (1, 12, V), from scratch
+
+    cache = model.new_cache()
+    model(seq[:, :6], cache)
+    model(torch.tensor([[1, 2, 3]]), cache)  # a rejected draft of three tokens
+    cache.rewind(3)
+    out = model(seq[:, 6:], cache).logits
+    torch.testing.assert_close(out, full[:, 6:], rtol=0, atol=1e-5 if dtype == torch.float32 else 0)
+
+    # A tree: after seq[:6], nodes [seq6, x, seq7, seq8] where x is a sibling of seq7's path
+    # branch (both children of seq6). Verify in one pass, keep the path seq6 -> seq7 -> seq8.
+    cache = model.new_cache()
+    model(seq[:, :6], cache)
+    nodes = torch.tensor([[int(seq[0, 6]), 77, int(seq[0, 7]), int(seq[0, 8])]])
+    positions = torch.tensor([6, 7, 7, 8])
+    parent_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, 6, dtype=torch.bool), parent_mask], dim=1)
+    tree = model(nodes, cache, positions=positions, mask=mask).logits
+    torch.testing.assert_close(tree[:, [0, 2, 3]], full[:, 6:9], rtol=0, atol=1e-4 if dtype == torch.float32 else 0.07)
+    cache.compact([6, 8, 9])
+    assert cache.length == 9
+    out = model(seq[:, 9:], cache).logits
+    torch.testing.assert_close(out, full[:, 9:], rtol=0, atol=1e-4 if dtype == torch.float32 else 0.07)
+
+
+def test_bf16_verify_pass_equals_one_token_passes(tiny_llama):
+    """Batch invariance: k+1 tokens in one pass give bit-identical logits to k+1 single passes."""
+    model = NativeModel.from_folder(tiny_llama, torch.bfloat16)
+    seq = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    for k in (1, 3, 8):
+        batched, single = model.new_cache(), model.new_cache()
+        model(seq[:, :20], batched)
+        model(seq[:, :20], single)
+        many = model(seq[:, 20:21 + k], batched).logits
+        ones = torch.cat([model(seq[:, i:i + 1], single).logits for i in range(20, 21 + k)], dim=1)
+        assert torch.equal(many, ones)
+
+
+def test_mask_shape_is_checked(tiny_llama):
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    with pytest.raises(ValueError, match="mask"):
+        model(torch.tensor([[1, 2]]), model.new_cache(), mask=torch.ones(2, 5, dtype=torch.bool))

@@ -1,0 +1,156 @@
+"""The decoding loop: greedy identity with every drafter and k, exact sampling end to end,
+seeded repeatability, and the edges (EOS inside accepted tokens, stop strings, budget)."""
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdecode.drafters import DraftModel, PromptLookup
+from specdecode.engine import decode
+from specdecode.errors import SpecDecodeError
+from specdecode.events import Done, Round
+from specdecode.models.native import NativeModel
+from specdecode.sampling import SamplingConfig, logits_to_probs
+from specdecode.stopping import StopCondition
+
+PROMPT = [5, 17, 42, 8, 17, 42, 8, 91, 5, 17, 42]
+
+
+def run(model, prompt, stop, **kw) -> tuple[list[int], Done]:
+    tokens = []
+    for event in decode(model, prompt, stop, **kw):
+        if isinstance(event, Round):
+            tokens += event.token_ids
+        else:
+            return tokens, event
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama):
+    return NativeModel.from_folder(tiny_llama, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny_other(tiny_llama_other):
+    return NativeModel.from_folder(tiny_llama_other, torch.float32)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_identity_tiny_models(tiny, tiny_other, k):
+    stop = StopCondition(max_new_tokens=40)
+    plain, _ = run(tiny, PROMPT, stop)
+    same, done_same = run(tiny, PROMPT, stop, drafter=DraftModel(tiny, tiny.vocab_size), k=k)
+    other, done_other = run(tiny, PROMPT, stop, drafter=DraftModel(tiny_other, tiny.vocab_size), k=k)
+    lookup, _ = run(tiny, PROMPT, stop, drafter=PromptLookup(), k=k)
+    assert same == plain and other == plain and lookup == plain
+    assert len(plain) == 40
+    assert done_same.stats.acceptance_rate == 1.0  # a drafter equal to the target is always right
+    assert done_other.stats.acceptance_rate < 0.5  # an independent random model rarely is
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_identity_smollm2_prompt_lookup(smollm2_folder, k):
+    from transformers import AutoTokenizer
+
+    from specdecode.prompts import encode_prompt
+
+    model = NativeModel.from_folder(smollm2_folder, torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder))
+    prompt = encode_prompt(tokenizer, "Add type hints to this function:\ndef area(width, height):\n"
+                                      "    return width * height\n")
+    stop = StopCondition(max_new_tokens=48)
+    plain, _ = run(model, prompt, stop)
+    lookup, done = run(model, prompt, stop, drafter=PromptLookup(), k=k)
+    assert lookup == plain
+    assert done.stats.accepted_tokens > 0
+
+
+def test_eos_inside_accepted_tokens_stops_there(tiny):
+    plain, _ = run(tiny, PROMPT, StopCondition(max_new_tokens=30))
+    eos = plain[10]
+    first = plain.index(eos)
+    tokens, done = run(tiny, PROMPT, StopCondition(frozenset([eos]), max_new_tokens=30),
+                       drafter=DraftModel(tiny, tiny.vocab_size), k=8)
+    assert tokens == plain[:first + 1] and done.reason == "eos"
+
+
+@pytest.mark.parametrize("budget", [0, 1, 2, 7])
+def test_budget_running_out_mid_round(tiny, budget):
+    tokens, done = run(tiny, PROMPT, StopCondition(max_new_tokens=budget),
+                       drafter=DraftModel(tiny, tiny.vocab_size), k=8)
+    assert len(tokens) == budget and done.reason == "length" and done.stats.new_tokens == budget
+
+
+class Digits:
+    """A tokenizer stand-in: token i decodes to chr(ord('a') + i % 26)."""
+
+    def decode(self, ids, **_):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def test_stop_string_spanning_rounds(tiny):
+    plain, _ = run(tiny, PROMPT, StopCondition(max_new_tokens=30))
+    text = Digits().decode(plain)
+    stop_string = text[11:14]  # spans tokens 11..13, wherever the rounds split them
+    first = text.find(stop_string)
+    stop = StopCondition(stop_strings=(stop_string,), max_new_tokens=30, tokenizer=Digits())
+    for k in (1, 3, 8):
+        tokens, done = run(tiny, PROMPT, stop, drafter=DraftModel(tiny, tiny.vocab_size), k=k)
+        assert done.reason == "stop" and tokens == plain[:first + 3]
+        assert stop.cut_text(Digits().decode(tokens)) == text[:first]
+
+
+def test_seeded_sampling_repeats_exactly(tiny, tiny_other):
+    sampling = SamplingConfig(temperature=0.8, top_p=0.9)
+    outs = [run(tiny, PROMPT, StopCondition(max_new_tokens=20), sampling=sampling,
+                drafter=DraftModel(tiny_other, tiny.vocab_size), k=3,
+                generator=torch.Generator().manual_seed(7))[0] for _ in range(2)]
+    assert outs[0] == outs[1]
+
+
+def test_first_two_sampled_tokens_keep_the_target_distribution(tiny_llama, tmp_path):
+    """End to end: the joint distribution of the first two tokens, with an independent draft
+    model and k = 2, equals the target's own (computed exactly from its logits).
+
+    Vocabulary 8 so the joint has 64 cells; 6000 seeded runs. Thresholds: chi-square
+    p-value > 1e-3, and total variation < 0.05 (the expected TV of 6000 samples over 64
+    cells is about 0.04 / 2 = 0.02... so 0.05 leaves room but catches a biased rule, which
+    moves TV by 0.1 or more here).
+    """
+    from tests.conftest import save_tiny
+
+    target = NativeModel.from_folder(save_tiny(tmp_path / "t", "llama", seed=4, vocab_size=8), torch.float32)
+    draft = NativeModel.from_folder(save_tiny(tmp_path / "d", "llama", seed=5, vocab_size=8), torch.float32)
+    sampling = SamplingConfig(temperature=1.0, top_k=6)
+    prompt = [1, 2, 3]
+
+    probs_first = logits_to_probs(target(torch.tensor([prompt]), target.new_cache()).logits[0, -1], sampling)
+    expected = torch.zeros(8, 8)
+    for a in range(8):
+        row = target(torch.tensor([prompt + [a]]), target.new_cache()).logits[0, -1]
+        expected[a] = probs_first[a] * logits_to_probs(row, sampling)
+
+    counts = torch.zeros(8, 8)
+    generator = torch.Generator().manual_seed(0)
+    drafter = DraftModel(draft, 8)
+    trials = 6000
+    for _ in range(trials):
+        tokens, _ = run(target, prompt, StopCondition(max_new_tokens=2), sampling=sampling,
+                        drafter=drafter, k=2, generator=generator)
+        counts[tokens[0], tokens[1]] += 1
+    support = expected.flatten() > 0
+    assert counts.flatten()[~support].sum() == 0
+    observed, wanted = counts.flatten()[support], expected.flatten()[support] * trials
+    assert chisquare(observed.numpy(), wanted.numpy() * observed.sum().item() / wanted.sum().item()).pvalue > 1e-3
+    assert 0.5 * (counts / trials - expected).abs().sum() < 0.05
+
+
+def test_k_below_one_is_refused(tiny):
+    with pytest.raises(SpecDecodeError, match="k must be"):
+        run(tiny, PROMPT, StopCondition(), drafter=PromptLookup(), k=0)
+
+
+def test_prompt_longer_than_context_is_refused(tiny):
+    with pytest.raises(SpecDecodeError, match="context"):
+        run(tiny, list(range(1, 90)) * 3, StopCondition())
