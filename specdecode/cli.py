@@ -106,6 +106,36 @@ def run_speed_cmd(args) -> int:
     return 0
 
 
+def add_bench(sub) -> None:
+    from .api import DEFAULT_DRAFT, DEFAULT_TARGET
+
+    p = sub.add_parser("bench", help="every method vs plain decoding and transformers, per prompt kind")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT)
+    p.add_argument("--k", default="2,4,6", help="draft lengths for the draft model, comma-separated")
+    p.add_argument("--lookup-k", type=int, default=4, help="draft length for prompt lookup")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-peers", dest="peers", action="store_false", help="skip transformers' generate")
+    p.add_argument("--out", default="out/bench", help="folder for results.json and report.md")
+    p.set_defaults(func=run_bench_cmd)
+
+
+def run_bench_cmd(args) -> int:
+    from pathlib import Path
+
+    from .bench import format_table, run_bench
+
+    ks = tuple(int(k) for k in args.k.split(","))
+    if any(k < 1 for k in ks):
+        raise SpecDecodeError(f"every k must be >= 1, got {args.k}")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    result = run_bench(args.target, args.draft, ks, args.lookup_k, args.max_new_tokens, args.repeats,
+                       args.peers, Path(args.out), log=log)
+    print(format_table(result))
+    return 0
+
+
 def add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the default pair on a few prompts: speculative vs plain")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -127,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_models.add_commands(sub)
     add_generate(sub)
     add_speed(sub)
+    add_bench(sub)
     add_demo(sub)
     return parser
 

@@ -1,0 +1,117 @@
+"""Plain and speculative generation on real models, against transformers and each other,
+and the front ends' answers to bad input."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdecode.cli import main
+from specdecode.drafters import DraftModel, PromptLookup
+from specdecode.engine import decode
+from specdecode.errors import SpecDecodeError, UnknownModelError
+from specdecode.events import Round
+from specdecode.models.load import eos_token_ids
+from specdecode.models.native import NativeModel
+from specdecode.prompts import encode_prompt
+from specdecode.stopping import StopCondition
+
+CODE_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+PROSE_PROMPT = "Describe, in a few sentences, what a lighthouse keeper's day was like."
+
+
+def native_greedy(model, prompt_ids, eos, n, **kw) -> list[int]:
+    stop = StopCondition(frozenset(eos), max_new_tokens=n)
+    return [t for ev in decode(model, prompt_ids, stop, **kw) if isinstance(ev, Round) for t in ev.token_ids]
+
+
+def check_plain_equals_transformers(folder, n=32):
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    eos = eos_token_ids(folder, tokenizer)
+    prompt_ids = encode_prompt(tokenizer, CODE_PROMPT)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    expected = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                           eos_token_id=list(eos), pad_token_id=eos[0])[0, len(prompt_ids):].tolist()
+    del hf  # keep one fp32 copy in memory at a time
+    got = native_greedy(NativeModel.from_folder(folder, torch.float32), prompt_ids, eos, n)
+    assert got == expected
+    assert len(got) == n or got[-1] in eos
+
+
+@pytest.mark.real
+def test_smollm2_greedy_equals_transformers_generate(smollm2_folder):
+    check_plain_equals_transformers(smollm2_folder)
+
+
+@pytest.mark.qwen
+def test_qwen_1_5b_greedy_equals_transformers_generate(qwen_folder):
+    check_plain_equals_transformers(qwen_folder)
+
+
+@pytest.mark.qwen
+@pytest.mark.parametrize("prompt", [CODE_PROMPT, PROSE_PROMPT], ids=["code", "prose"])
+def test_qwen_pair_speculative_greedy_is_identical_to_plain(prompt):
+    from specdecode.api import load_model, make_draft_model
+
+    target = load_model("qwen2.5-coder-1.5b-instruct")
+    draft = load_model("qwen2.5-coder-0.5b-instruct")
+    prompt_ids = encode_prompt(target.tokenizer, prompt)
+    eos = target.info.eos_token_ids
+    plain = native_greedy(target.model, prompt_ids, eos, 40)
+    for k in (1, 3, 8):
+        spec = native_greedy(target.model, prompt_ids, eos, 40, drafter=make_draft_model(target, draft), k=k)
+        assert spec == plain, f"k={k}"
+    assert native_greedy(target.model, prompt_ids, eos, 40, drafter=PromptLookup(), k=4) == plain
+
+
+@pytest.mark.real
+def test_mismatched_tokenizer_is_refused(tiny_llama):
+    from specdecode.api import Model, load_model, make_draft_model
+    from specdecode.models.load import ModelInfo
+
+    smol = load_model("smollm2-135m-instruct")
+    other = AutoTokenizer.from_pretrained(str(smol.info.folder))
+    other.add_tokens(["<an-extra-token>"])
+    impostor = Model(smol.model, other, ModelInfo("x", smol.info.folder, None, (2,)))
+    with pytest.raises(SpecDecodeError, match="tokenizer"):
+        make_draft_model(smol, impostor)
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(UnknownModelError, match="smollm2-135m-instruct"):
+        from specdecode.api import load_model
+
+        load_model("no-such-model")
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "   "], "prompt is empty"),
+    (["--prompt", "hi", "--max-new-tokens", "-1"], "max_new_tokens"),
+    (["--prompt", "hi", "--drafter", "prompt-lookup", "--k", "0"], "k must be"),
+    (["--prompt", "hi", "--drafter", "prompt-lookup", "--draft", "smollm2-135m-instruct"], "does not go with"),
+    (["--prompt", "hi", "--temperature", "-1"], "temperature"),
+    (["--prompt", "word " * 9000], "context"),
+])
+def test_cli_bad_input_gives_one_clear_error(capsys, argv, message):
+    assert main(["generate", "--target", "smollm2-135m-instruct", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specdecode: error:") and message in err[0]
+
+
+def test_cli_unknown_model(capsys):
+    assert main(["generate", "--target", "no-such-model", "--prompt", "hi"]) == 2
+    assert "known models" in capsys.readouterr().err
+
+
+@pytest.mark.real
+def test_cli_generate_json(capsys):
+    assert main(["generate", "--target", "smollm2-135m-instruct", "--prompt", "Say hello.", "--json",
+                 "--drafter", "prompt-lookup", "--max-new-tokens", "12"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert set(result) >= {"text", "token_ids", "stats"} and result["text"]
+    for field in ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "wall_s"):
+        assert field in result["stats"]
+    assert len(result["token_ids"]) <= 12
