@@ -112,7 +112,7 @@ def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="every method vs plain decoding and transformers, per prompt kind")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--k", default="2,4,6", help="draft lengths for the draft model, comma-separated")
+    p.add_argument("--k", default="2,3,4", help="draft lengths for the draft model, comma-separated")
     p.add_argument("--lookup-k", type=int, default=4, help="draft length for prompt lookup")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import sys
 
-from .api import DEFAULT_DRAFT, DEFAULT_TARGET, load_model, make_draft_model
+from .api import DEFAULT_DRAFT, DEFAULT_K, DEFAULT_TARGET, load_model, make_draft_model
 from .engine import decode
-from .events import Done, Round
+from .events import collect
 from .prompts import encode_prompt
 from .stopping import StopCondition
 from .textstream import TextStream
@@ -37,21 +37,15 @@ DEMO_PROMPTS = [
 
 
 def _run(target, prompt_ids, stop, drafter=None, k=4, on_round=None):
-    tokens = []
-    for event in decode(target.model, prompt_ids, stop, drafter=drafter, k=k):
-        if isinstance(event, Round):
-            tokens += event.token_ids
-            if on_round:
-                on_round(event)
-        elif isinstance(event, Done):
-            return tokens, event.stats
+    tokens, done = collect(decode(target.model, prompt_ids, stop, drafter=drafter, k=k), on_round)
+    return tokens, done.stats
 
 
 def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None = None, out=sys.stdout) -> list[dict]:
     print(f"loading {DEFAULT_TARGET} (target) and {DEFAULT_DRAFT} (draft); the first run downloads them",
           file=out, flush=True)
     target, draft = load_model(DEFAULT_TARGET, dtype), load_model(DEFAULT_DRAFT, dtype)
-    k = k or 4
+    k = k or DEFAULT_K["draft-model"]
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     rows = []
     for kind, prompt in DEMO_PROMPTS:

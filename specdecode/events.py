@@ -13,6 +13,7 @@ accepted). Plain decoding is the case num_drafted = 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,15 @@ class Stats:
 class Done:
     reason: str  # "eos", "stop" or "length"
     stats: Stats
+
+
+def collect(events: Iterable[Round | Done], on_round: Callable[[Round], None] | None = None) -> tuple[list[int], Done]:
+    """Run a generation to its end: (every emitted token, the final Done)."""
+    tokens: list[int] = []
+    for event in events:
+        if isinstance(event, Done):
+            return tokens, event
+        tokens += event.token_ids
+        if on_round is not None:
+            on_round(event)
+    raise RuntimeError("the generation ended without a Done event")

@@ -17,6 +17,7 @@ import time
 import torch
 
 from .engine import decode
+from .events import collect
 from .models.load import load, parse_dtype
 from .prompts import encode_prompt
 from .stopping import StopCondition
@@ -46,9 +47,9 @@ def measure_bandwidth(megabytes: int = 2048, repeats: int = 3) -> float:
 def _time_native(model, prompt_ids: list[int], new_tokens: int) -> float:
     stop = StopCondition(max_new_tokens=new_tokens)  # no EOS: force the length
     t = time.perf_counter()
-    count = sum(len(ev.token_ids) for ev in decode(model, prompt_ids, stop) if hasattr(ev, "token_ids"))
+    tokens, _ = collect(decode(model, prompt_ids, stop))
     elapsed = time.perf_counter() - t
-    assert count == new_tokens, (count, new_tokens)
+    assert len(tokens) == new_tokens, (len(tokens), new_tokens)
     return elapsed
 
 

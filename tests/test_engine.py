@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from specdecode.drafters import DraftModel, PromptLookup
 from specdecode.engine import decode
 from specdecode.errors import SpecDecodeError
-from specdecode.events import Done, Round
+from specdecode.events import Done, collect
 from specdecode.models.native import NativeModel
 from specdecode.sampling import SamplingConfig, logits_to_probs
 from specdecode.stopping import StopCondition
@@ -17,12 +17,7 @@ PROMPT = [5, 17, 42, 8, 17, 42, 8, 91, 5, 17, 42]
 
 
 def run(model, prompt, stop, **kw) -> tuple[list[int], Done]:
-    tokens = []
-    for event in decode(model, prompt, stop, **kw):
-        if isinstance(event, Round):
-            tokens += event.token_ids
-        else:
-            return tokens, event
+    return collect(decode(model, prompt, stop, **kw))
 
 
 @pytest.fixture(scope="module")

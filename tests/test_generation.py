@@ -11,7 +11,7 @@ from specdecode.cli import main
 from specdecode.drafters import DraftModel, PromptLookup
 from specdecode.engine import decode
 from specdecode.errors import SpecDecodeError, UnknownModelError
-from specdecode.events import Round
+from specdecode.events import collect
 from specdecode.models.load import eos_token_ids
 from specdecode.models.native import NativeModel
 from specdecode.prompts import encode_prompt
@@ -23,7 +23,7 @@ PROSE_PROMPT = "Describe, in a few sentences, what a lighthouse keeper's day was
 
 def native_greedy(model, prompt_ids, eos, n, **kw) -> list[int]:
     stop = StopCondition(frozenset(eos), max_new_tokens=n)
-    return [t for ev in decode(model, prompt_ids, stop, **kw) if isinstance(ev, Round) for t in ev.token_ids]
+    return collect(decode(model, prompt_ids, stop, **kw))[0]
 
 
 def check_plain_equals_transformers(folder, n=32):
@@ -115,3 +115,19 @@ def test_cli_generate_json(capsys):
     for field in ("rounds", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "wall_s"):
         assert field in result["stats"]
     assert len(result["token_ids"]) <= 12
+
+
+@pytest.mark.real
+def test_transformers_style_generate_call():
+    from specdecode.api import load_model
+
+    target = load_model("smollm2-135m-instruct")
+    inputs = target.tokenizer("def fibonacci(n):", return_tensors="pt")
+    plain = target.generate(**inputs, max_new_tokens=24)
+    assert plain.shape[1] <= inputs["input_ids"].shape[1] + 24
+    assert torch.equal(plain[0, :inputs["input_ids"].shape[1]], inputs["input_ids"][0])
+    assisted = target.generate(**inputs, assistant_model=target, max_new_tokens=24)
+    lookup = target.generate(**inputs, prompt_lookup_num_tokens=3, max_new_tokens=24)
+    assert torch.equal(assisted, plain) and torch.equal(lookup, plain)
+    with pytest.raises(SpecDecodeError, match="not both"):
+        target.generate(**inputs, assistant_model=target, prompt_lookup_num_tokens=3)

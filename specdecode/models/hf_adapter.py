@@ -36,7 +36,8 @@ class HFCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot rewind {n} slots of a cache holding {self.length}")
         self.length -= n
-        self.inner.crop(self.length)
+        if n:
+            self.inner.crop(-n)  # transformers 5 crops by a negative count of tokens to drop
 
     def compact(self, indices) -> None:
         raise ValueError("the transformers adapter verifies chains only; trees need the native backend")

@@ -27,7 +27,6 @@ silu MLPs; `load.py` sends such models to the transformers adapter.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +34,11 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .linear import Linear
+from .weights import load_weights
 
 
 @dataclass
@@ -129,7 +128,7 @@ class NativeModel:
     def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> "NativeModel":
         folder = Path(folder)
         config = ModelConfig.from_folder(folder)
-        return cls(config, load_safetensors(folder), dtype)
+        return cls(config, load_weights(folder, dtype), dtype)
 
     # ---- cache and bookkeeping -------------------------------------------------------
 
@@ -240,15 +239,3 @@ class NativeModel:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
         out = out.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
         return layer.o(out)
-
-
-def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a transformers folder, single-file or sharded."""
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        with safe_open(folder / name, framework="pt") as f:
-            for key in f.keys():
-                weights[key] = f.get_tensor(key)
-    return weights

@@ -1,0 +1,71 @@
+"""Small pure pieces: prompt lookup, statistics, the speedup model, text streaming, stops."""
+
+import pytest
+
+from specdecode.bench import expected_tokens_per_round, theoretical_speedup
+from specdecode.drafters import PromptLookup
+from specdecode.errors import SpecDecodeError
+from specdecode.events import Stats
+from specdecode.stopping import StopCondition
+from specdecode.textstream import TextStream
+
+
+def test_prompt_lookup_copies_what_followed_the_latest_match():
+    context = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
+    assert PromptLookup(max_ngram=3).propose(context, 2).tokens.tolist() == [7, 8]
+    assert PromptLookup(max_ngram=3).propose(context, 10).tokens.tolist() == [7, 8, 5, 1, 2, 3]
+
+
+def test_prompt_lookup_falls_back_to_shorter_ngrams_and_to_nothing():
+    assert PromptLookup(max_ngram=3).propose([4, 6, 5, 6], 3).tokens.tolist() == [5, 6]
+    assert PromptLookup().propose([1, 2, 3, 4], 3).tokens.numel() == 0
+    with pytest.raises(SpecDecodeError):
+        PromptLookup(max_ngram=1, min_ngram=2)
+
+
+def test_stats_rates_and_positions():
+    stats = Stats(new_tokens=1)  # the prefill's token
+    stats.add_round(num_drafted=4, num_accepted=4, num_emitted=5, draft_s=0, verify_s=0)
+    stats.add_round(num_drafted=4, num_accepted=1, num_emitted=2, draft_s=0, verify_s=0)
+    stats.add_round(num_drafted=2, num_accepted=0, num_emitted=1, draft_s=0, verify_s=0)
+    assert stats.acceptance_rate == 5 / 10
+    assert stats.mean_accepted_length == 8 / 3
+    assert stats.acceptance_by_position == [2 / 3, 1 / 3, 1 / 2, 1 / 2]
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens_per_round(0.0, 5) == 1.0
+    assert expected_tokens_per_round(1.0, 5) == 6.0
+    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_theoretical_speedup():
+    # α = 0.8, k = 4: E = (1 - 0.8^5) / 0.2 = 3.3616; cost = 4 * 0.25 + 1.1 = 2.1 plain steps
+    assert theoretical_speedup(0.8, 4, 1.0, 0.25, 1.1) == pytest.approx(3.3616 / 2.1)
+    assert theoretical_speedup(0.0, 1, 1.0, 0.0, 1.0) == pytest.approx(1.0)
+
+
+class Bytes:
+    """A tokenizer stand-in whose tokens are raw UTF-8 bytes."""
+
+    def decode(self, ids, **_):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_back_split_characters():
+    stream = TextStream(Bytes())
+    euro = list("€".encode())
+    assert stream.add([ord("a")] + euro[:1]) == ""
+    assert stream.add(euro[1:]) == "a€"
+    assert stream.add([ord("b")]) == "b"
+
+
+def test_stop_condition_checks():
+    with pytest.raises(SpecDecodeError):
+        StopCondition(max_new_tokens=-1)
+    with pytest.raises(SpecDecodeError):
+        StopCondition(stop_strings=("x",))  # no tokenizer to decode with
+    stop = StopCondition(frozenset([7]), max_new_tokens=5)
+    assert stop.check([1, 2, 7, 3], 0) == (3, "eos")
+    assert stop.check([1, 2, 3, 4, 5, 6], 2) == (5, "length")
+    assert stop.check([1, 2], 0) == (2, None)
