@@ -64,7 +64,8 @@ class Stats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at + [0] * len(self.drafted_at), self.drafted_at)]
+        accepted = self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))
+        return [a / d for a, d in zip(accepted, self.drafted_at)]  # every d counts >= 1 round
 
     @property
     def tokens_per_s(self) -> float:

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdecode.cli import main
-from specdecode.drafters import DraftModel, PromptLookup
+from specdecode.drafters import PromptLookup
 from specdecode.engine import decode
 from specdecode.errors import SpecDecodeError, UnknownModelError
 from specdecode.events import collect
