@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .adaptive import AdaptiveK, CostModel
 from .drafters import DraftModel, PromptLookup, check_same_tokenizer
 from .engine import decode
 from .errors import SpecDecodeError
@@ -27,6 +28,7 @@ from .models.load import ModelInfo, load
 from .prompts import encode_prompt
 from .sampling import SamplingConfig
 from .stopping import StopCondition
+from .tune import Profile
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -91,6 +93,32 @@ def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: s
     return make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
 
 
+def choose_k(target: Model, drafter, k: int | str | None, profile: str | None, category: str | None):
+    """A fixed k, or an adaptive policy from a tuning profile or from size-based costs."""
+    if drafter is None:
+        if profile is not None or k is not None:
+            raise SpecDecodeError("--k and --profile need a drafter (--draft or --drafter)")
+        return 0
+    if profile is not None:
+        if k is not None:
+            raise SpecDecodeError("pass --k or --profile, not both: the profile chooses k")
+        return Profile.load(profile).policy(category)
+    if category is not None:
+        raise SpecDecodeError("--category selects a category of a --profile")
+    if k == "auto":
+        return AdaptiveK(CostModel(draft_ratio=estimated_draft_ratio(target, drafter)))
+    if isinstance(k, str):
+        raise SpecDecodeError(f"k must be a number or 'auto', got {k!r}")
+    return DEFAULT_K[drafter.name] if k is None else k
+
+
+def estimated_draft_ratio(target: Model, drafter) -> float:
+    """c before any measurement: decoding streams weights, so the ratio of weight bytes."""
+    if isinstance(drafter, DraftModel):
+        return drafter.model.weight_bytes_per_token / target.model.weight_bytes_per_token
+    return 0.0  # prompt lookup: a scan of the context
+
+
 @dataclass(frozen=True)
 class Generation:
     text: str
@@ -104,14 +132,20 @@ class Generation:
 
 
 def stream(prompt: str | list[dict], target: str = DEFAULT_TARGET, *, draft: str | None = None,
-           drafter: str | None = None, k: int | None = None, max_new_tokens: int = 256,
+           drafter: str | None = None, k: int | str | None = None, max_new_tokens: int = 256,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-           stop: Sequence[str] = (), chat: bool = True, dtype: str | None = None) -> Iterator[Round | Done]:
-    """Yields the engine's events: a `Round` per target pass, then `Done`."""
+           stop: Sequence[str] = (), chat: bool = True, dtype: str | None = None,
+           profile: str | None = None, category: str | None = None) -> Iterator[Round | Done]:
+    """Yields the engine's events: a `Round` per target pass, then `Done`.
+
+    k: a draft length, or "auto" for the adaptive policy (adaptive.py) with costs estimated
+    from the models' sizes; `profile` (a file from `specdecode tune`) seeds the adaptive
+    policy with measured costs and the acceptance of `category` instead.
+    """
     target_model = load_model(target, dtype)
     sampling = SamplingConfig(temperature, top_k, top_p)
     the_drafter = make_drafter(target_model, drafter, draft, dtype)
-    k = k if k is not None else DEFAULT_K.get(getattr(the_drafter, "name", ""), 4)
+    k = choose_k(target_model, the_drafter, k, profile, category)
     stop_condition = StopCondition(frozenset(target_model.info.eos_token_ids), tuple(stop), max_new_tokens,
                                    target_model.tokenizer)
     prompt_ids = encode_prompt(target_model.tokenizer, prompt, chat)

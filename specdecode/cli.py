@@ -31,7 +31,10 @@ def add_generate(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, transformers folder or .gguf")
     p.add_argument("--draft", help="draft model (registry name or path); implies --drafter draft-model")
     p.add_argument("--drafter", choices=DRAFTERS, help="how to draft; none = plain decoding")
-    p.add_argument("--k", type=int, default=None, help="draft tokens per round")
+    p.add_argument("--k", type=_k_value, default=None,
+                   help="draft tokens per round, or 'auto' to adapt k to the acceptance seen")
+    p.add_argument("--profile", help="a profile from `specdecode tune`: measured costs choose k, adaptively")
+    p.add_argument("--category", help="the profile's category whose acceptance seeds k (default: their mean)")
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -43,6 +46,10 @@ def add_generate(sub) -> None:
     p.set_defaults(func=run_generate)
 
 
+def _k_value(text: str):
+    return text if text == "auto" else int(text)
+
+
 def run_generate(args) -> int:
     from .api import Generation, load_model, stream
     from .events import Round
@@ -52,7 +59,8 @@ def run_generate(args) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     events = stream(prompt, args.target, draft=args.draft, drafter=args.drafter, k=args.k,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=not args.raw, dtype=args.dtype)
+                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=not args.raw, dtype=args.dtype,
+                    profile=args.profile, category=args.category)
     tokenizer = None
     tokens: list[int] = []
     text_stream = None

@@ -11,6 +11,7 @@ one, which is the first input of the next round.
 
 The loop yields `Round` events and a final `Done` (events.py); it never formats text.
 Left out: trees (a later rule in acceptance.py), batches of sequences.
+The draft length may change every round: `k` is an int or a policy from adaptive.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .acceptance import greedy_chain, one_hot_probs, rejection_chain
+from .adaptive import AdaptiveK, FixedK
 from .drafters.base import Drafter
 from .errors import SpecDecodeError
 from .events import Done, Round, Stats
@@ -35,11 +37,14 @@ def decode(
     stop: StopCondition,
     sampling: SamplingConfig = SamplingConfig(),
     drafter: Drafter | None = None,
-    k: int = 4,
+    k: int | AdaptiveK = 4,
     generator: torch.Generator | None = None,
 ) -> Iterator[Round | Done]:
-    if drafter is not None and k < 1:
+    """k is a fixed draft length, or a policy (adaptive.py) asked for k before each round."""
+    if isinstance(k, int) and drafter is not None and k < 1:
         raise SpecDecodeError(f"the draft length k must be >= 1, got {k}")
+    policy = FixedK(k) if isinstance(k, int) else k
+    k_max = k if isinstance(k, int) else policy.k_max
     if not prompt_ids:
         raise SpecDecodeError("the prompt is empty")
     check_fits(len(prompt_ids), stop.max_new_tokens, target.max_position_embeddings)
@@ -50,7 +55,7 @@ def decode(
         yield Done("length", stats)
         return
 
-    room = min(len(prompt_ids) + stop.max_new_tokens + k + 1, target.max_position_embeddings)
+    room = min(len(prompt_ids) + stop.max_new_tokens + k_max + 1, target.max_position_embeddings)
     cache = target.new_cache(1, room)
     logits = target(torch.tensor([list(prompt_ids)]), cache, num_logits=1).logits[0]  # (1, V)
     first = _pick(logits, sampling, generator)[0]
@@ -64,10 +69,12 @@ def decode(
     while reason is None:
         t0 = time.perf_counter()
         budget = min(stop.max_new_tokens - len(new_tokens), cache.max_len - cache.length) - 1
-        draft_tokens, draft_probs = _propose(drafter, context, min(k, budget), sampling, generator)
+        k_round = min(policy.next_k(), budget) if drafter is not None else 0
+        draft_tokens, draft_probs = _propose(drafter, context, k_round, sampling, generator)
         t1 = time.perf_counter()
         num_accepted, next_token = _verify(target, cache, context[-1], draft_tokens, draft_probs, sampling, generator)
         cache.rewind(len(draft_tokens) - num_accepted)
+        policy.observe(len(draft_tokens), num_accepted)
         t2 = time.perf_counter()
 
         emitted = draft_tokens[:num_accepted].tolist() + [next_token]

@@ -1,0 +1,120 @@
+"""Choosing k: the cost model's decisions on synthetic figures, the adaptive policy in a
+simulation with known acceptance (time is simulated from the cost model, never measured),
+in the real engine, and tuning profiles."""
+
+import random
+
+import pytest
+import torch
+
+from specdecode.adaptive import AdaptiveK, CostModel, FixedK, best_k, expected_tokens
+from specdecode.drafters import DraftModel
+from specdecode.engine import decode
+from specdecode.errors import SpecDecodeError
+from specdecode.events import Round, collect
+from specdecode.models.native import NativeModel
+from specdecode.stopping import StopCondition
+from specdecode.tune import Profile, alpha_mle, cost_model
+
+FLAT = (1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08)
+
+
+def test_drafting_is_off_when_it_cannot_pay():
+    assert best_k(0.0, CostModel(0.4, FLAT), 8) == (0, 1.0)
+    assert best_k(0.3, CostModel(0.4, FLAT), 8)[0] == 0  # E(0.3, 1) = 1.3 < cost 1.41
+
+
+def test_k_maximises_throughput_not_acceptance():
+    # α = 0.8, c = 0.4: k=1 gives 1.8/1.41 = 1.28, k=2 2.44/1.82 = 1.34, k=3 2.95/2.23 = 1.32
+    k, speedup = best_k(0.8, CostModel(0.4, FLAT), 8)
+    assert k == 2 and speedup == pytest.approx(expected_tokens(0.8, 2) / 1.82)
+
+
+def test_cheap_drafter_with_high_acceptance_drafts_long():
+    assert best_k(0.95, CostModel(0.02, FLAT), 8)[0] >= 7
+
+
+def test_steep_verify_curve_shortens_k():
+    steep = CostModel(0.02, tuple(1 + 0.3 * n for n in range(9)))
+    assert best_k(0.9, steep, 8)[0] < best_k(0.9, CostModel(0.02, FLAT), 8)[0]
+
+
+def test_verify_curve_extends_linearly():
+    costs = CostModel(0.1, (1.0, 1.1, 1.3))
+    assert costs.verify(3) == 1.3 and costs.verify(5) == pytest.approx(1.7)
+
+
+def simulate(policy, alpha_of_round, costs: CostModel, rounds=3000, seed=0) -> float:
+    """Speedup over plain decoding with i.i.d. acceptance, time from the cost model."""
+    rng = random.Random(seed)
+    tokens = time = 0.0
+    for r in range(rounds):
+        k = policy.next_k()
+        accepted = 0
+        while accepted < k and rng.random() < alpha_of_round(r):
+            accepted += 1
+        policy.observe(k, accepted)
+        tokens += accepted + 1
+        time += costs.cost(k)
+    return tokens / time  # plain decoding: 1 token per unit
+
+
+COSTS = CostModel(0.3, FLAT)
+
+
+def test_adaptive_with_a_useless_drafter_stays_within_a_few_percent_of_plain():
+    assert simulate(AdaptiveK(COSTS), lambda r: 0.0, COSTS) >= 0.97
+
+
+def test_adaptive_with_a_good_drafter_is_close_to_the_best_fixed_k():
+    best = max(simulate(FixedK(k), lambda r: 0.85, COSTS) for k in range(1, 9))
+    assert simulate(AdaptiveK(COSTS), lambda r: 0.85, COSTS) >= 0.95 * best
+
+
+def test_adaptive_follows_a_change_of_acceptance():
+    switching = lambda r: 0.9 if r < 1500 else 0.05  # noqa: E731
+    adaptive = simulate(AdaptiveK(COSTS), switching, COSTS)
+    assert adaptive > simulate(FixedK(4), switching, COSTS)
+    assert adaptive > 1.0
+
+
+def test_adaptive_in_the_engine_keeps_output_and_mostly_stops_drafting(tiny_llama, tiny_llama_other):
+    target = NativeModel.from_folder(tiny_llama, torch.float32)
+    useless = DraftModel(NativeModel.from_folder(tiny_llama_other, torch.float32), target.vocab_size)
+    prompt, stop = [5, 17, 42, 8, 91], StopCondition(max_new_tokens=60)
+    plain, _ = collect(decode(target, prompt, stop))
+    policy = AdaptiveK(CostModel(0.3, FLAT))
+    rounds = [ev for ev in decode(target, prompt, stop, drafter=useless, k=policy) if isinstance(ev, Round)]
+    assert [t for ev in rounds for t in ev.token_ids] == plain
+    drafting = sum(1 for ev in rounds if ev.num_drafted)
+    assert drafting <= 0.3 * len(rounds)
+
+
+def test_alpha_mle_counts_one_rejection_per_short_round():
+    assert alpha_mle([4, 4, 4], [4, 1, 0]) == pytest.approx(5 / 7)
+    assert alpha_mle([], []) == 0.0
+
+
+def test_profile_round_trip_and_policy(tmp_path):
+    verify = {1: 0.10, 2: 0.101, 4: 0.103, 8: 0.11, 16: 0.13}
+    profile = Profile("t", "draft-model", "d", "bfloat16", verify, draft_step_s=0.03)
+    assert profile.costs.verify_ratios[2] == pytest.approx(1.02)  # n = 3, between 2 and 4
+    assert profile.costs.draft_ratio == pytest.approx(0.3)
+    assert profile.decide("code", 0.9)["k"] >= 3
+    assert profile.decide("prose", 0.1)["k"] == 0
+    loaded = Profile.load(profile.save(tmp_path / "p.json"))
+    assert loaded == profile
+    assert loaded.policy("code").prior_alpha == 0.9
+    with pytest.raises(SpecDecodeError, match="no category"):
+        loaded.policy("poetry")
+    with pytest.raises(SpecDecodeError, match="no profile"):
+        Profile.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SpecDecodeError, match="not a specdecode profile"):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_cost_model_from_measured_seconds():
+    costs = cost_model({1: 2.0, 3: 2.2, 5: 3.0}, draft_step_s=0.5)
+    assert costs.draft_ratio == 0.25
+    assert costs.verify_ratios == pytest.approx((1.0, 1.05, 1.1, 1.3, 1.5))
