@@ -114,33 +114,107 @@ def run_speed_cmd(args) -> int:
     return 0
 
 
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_questions_args(p: argparse.ArgumentParser, default_limit: int) -> None:
+    from .suites import SUITES
+
+    p.add_argument("--suites", type=_csv, default=list(SUITES), help=f"categories (default: {','.join(SUITES)})")
+    p.add_argument("--prompts", help="a Spec-Bench / MT-bench question file (JSONL) instead of the suites")
+    p.add_argument("--limit", type=int, default=default_limit, help="prompts per category")
+
+
+def load_questions(args):
+    from .suites import load_prompt_file, load_suite
+
+    if args.limit is not None and args.limit < 1:
+        raise SpecDecodeError(f"--limit must be >= 1, got {args.limit}")
+    if args.prompts:
+        questions, counts = [], {}
+        for q in load_prompt_file(args.prompts):
+            counts[q.category] = counts.get(q.category, 0) + 1
+            if args.limit is None or counts[q.category] <= args.limit:
+                questions.append(q)
+        return questions
+    return [q for name in args.suites for q in load_suite(name, args.limit)]
+
+
 def add_bench(sub) -> None:
     from .api import DEFAULT_DRAFT, DEFAULT_TARGET
+    from .bench import METHODS
 
-    p = sub.add_parser("bench", help="every method vs plain decoding and transformers, per prompt kind")
+    p = sub.add_parser("bench", help="every method vs plain decoding and transformers, per task category")
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--draft", default=DEFAULT_DRAFT)
-    p.add_argument("--k", default="2,3,4", help="draft lengths for the draft model, comma-separated")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft-model and adaptive ('' = none)")
+    p.add_argument("--methods", type=_csv, default=list(METHODS), help=f"of {','.join(METHODS)}")
+    p.add_argument("--k", type=_csv, default=["2", "3", "4"], help="draft lengths for the draft model")
     p.add_argument("--lookup-k", type=int, default=4, help="draft length for prompt lookup")
+    add_questions_args(p, default_limit=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-peers", dest="peers", action="store_false", help="skip transformers' generate")
-    p.add_argument("--out", default="out/bench", help="folder for results.json and report.md")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run transformers' generate: plain, assisted, prompt lookup")
+    p.add_argument("--profile", help="a `specdecode tune` profile for the adaptive method")
+    p.add_argument("--out", default="out/bench", help="folder for results.json, report.md and plots")
     p.set_defaults(func=run_bench_cmd)
 
 
 def run_bench_cmd(args) -> int:
     from pathlib import Path
 
-    from .bench import format_table, run_bench
+    from .bench import run_bench
+    from .report import table, write_report
+    from .tune import Profile
 
-    ks = tuple(int(k) for k in args.k.split(","))
+    ks = tuple(int(k) for k in args.k)
     if any(k < 1 for k in ks):
-        raise SpecDecodeError(f"every k must be >= 1, got {args.k}")
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    result = run_bench(args.target, args.draft, ks, args.lookup_k, args.max_new_tokens, args.repeats,
-                       args.peers, Path(args.out), log=log)
-    print(format_table(result))
+        raise SpecDecodeError(f"every k must be >= 1, got {','.join(args.k)}")
+    if args.repeats < 1:
+        raise SpecDecodeError("--repeats must be >= 1")
+    questions = load_questions(args)
+    profile = Profile.load(args.profile) if args.profile else None
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    result = run_bench(questions, args.target, args.draft or None, tuple(args.methods), ks, args.lookup_k,
+                       args.max_new_tokens, args.repeats, args.temperature, args.seed, args.peers, profile, log=log)
+    for path in write_report(result, Path(args.out)):
+        log(f"wrote {path}")
+    print(table(result))
+    return 0
+
+
+def add_tune(sub) -> None:
+    from .api import DEFAULT_TARGET, DRAFTERS
+
+    p = sub.add_parser("tune", help="measure costs and acceptance; choose k (or off) per category")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", help="draft model (implies --drafter draft-model)")
+    p.add_argument("--drafter", choices=DRAFTERS)
+    add_questions_args(p, default_limit=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--out", help="profile path (default: $SPECDECODE_HOME/profiles/TARGET+DRAFT.json)")
+    p.set_defaults(func=run_tune_cmd)
+
+
+def run_tune_cmd(args) -> int:
+    from .tune import default_profile_path, run_tune
+
+    if args.draft is None and args.drafter is None:
+        raise SpecDecodeError("tune needs a drafter: --draft NAME or --drafter prompt-lookup")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    profile = run_tune(args.target, args.drafter, args.draft, load_questions(args), args.max_new_tokens,
+                       k_max=args.k_max, log=log)
+    path = profile.save(args.out or default_profile_path(args.target, profile.drafter, profile.draft))
+    print(f"{'category':<16} {'α':>5} {'k':>4} {'expected':>9}")
+    for name, c in profile.categories.items():
+        print(f"{name:<16} {c['alpha']:>5.2f} {c['k'] or 'off':>4} {c['expected_speedup']:>8.2f}x")
+    print(f"draft step / plain step c = {profile.costs.draft_ratio:.3f}; "
+          f"verify 8 / 1 = {profile.costs.verify(8):.2f}, 64 / 1 = {profile.costs.verify(64):.2f}")
+    print(f"saved {path}  (use: specdecode generate --profile {path} [--category NAME])")
     return 0
 
 
@@ -166,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate(sub)
     add_speed(sub)
     add_bench(sub)
+    add_tune(sub)
     add_demo(sub)
     return parser
 

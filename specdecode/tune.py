@@ -58,7 +58,8 @@ def cost_model(verify_seconds: dict[int, float], draft_step_s: float) -> CostMod
         hi = min(s for s in sizes if s >= n)
         t = verify_seconds[lo] if lo == hi else verify_seconds[lo] + (
             verify_seconds[hi] - verify_seconds[lo]) * (n - lo) / (hi - lo)
-        ratios.append(t / one)
+        # A longer pass never costs less: timing noise must not make drafting look free.
+        ratios.append(max([t / one, 1.0] + ratios[-1:]))
     return CostModel(draft_ratio=draft_step_s / one, verify_ratios=tuple(ratios))
 
 

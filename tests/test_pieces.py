@@ -2,7 +2,8 @@
 
 import pytest
 
-from specdecode.bench import expected_tokens_per_round, theoretical_speedup
+from specdecode.adaptive import expected_tokens
+from specdecode.bench import theoretical_speedup
 from specdecode.drafters import PromptLookup
 from specdecode.errors import SpecDecodeError
 from specdecode.events import Stats
@@ -33,10 +34,10 @@ def test_stats_rates_and_positions():
     assert stats.acceptance_by_position == [2 / 3, 1 / 3, 1 / 2, 1 / 2]
 
 
-def test_expected_tokens_per_round():
-    assert expected_tokens_per_round(0.0, 5) == 1.0
-    assert expected_tokens_per_round(1.0, 5) == 6.0
-    assert expected_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
 def test_theoretical_speedup():

@@ -70,6 +70,10 @@ class HFModel:
         tied = self.model.get_output_embeddings().weight is embed
         return total if tied else total - embed.numel() * embed.element_size()
 
+    @property
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: HFCache, positions: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None, hidden_layers: Sequence[int] = (),

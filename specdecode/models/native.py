@@ -155,6 +155,12 @@ class NativeModel:
                      + 2 * l.attn_norm.numel() * l.attn_norm.element_size() for l in self.layers]
         return sum(per_layer) + self.lm_head.nbytes
 
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of weights held: what decoding streams, plus the embedding table if separate."""
+        embed = self.embed.numel() * self.embed.element_size()
+        return self.weight_bytes_per_token + (0 if self.config.tie_word_embeddings else embed)
+
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1
         if needed > self._cos.shape[0]:

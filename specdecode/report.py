@@ -1,0 +1,110 @@
+"""Turn a bench result (bench.py) into `report.md` and PNG plots.
+
+Plots: speedup over our plain decoding by category and method, the peers beside ours;
+acceptance by draft position; the time split (prefill, drafting, verification, the rest)
+of our methods. matplotlib draws off-screen (Agg), so no display is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def method_label(row: dict) -> str:
+    ours = row["identical_to_plain"] is not None
+    return f"{row['method']} k={row['k']}" if ours and row["k"] is not None else row["method"]
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"target {result['target']}, draft {result['draft']}, {result['dtype']}, temperature {result['temperature']}, "
+        f"{result['max_new_tokens']} new tokens, {result['prompts']} prompts, median of {result['repeats']}, "
+        f"{result['threads']} threads", "",
+        "| category | method | tok/s | speedup | theory E(α) | bound τ | α | τ | identical |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        def fmt(key, spec, suffix=""):
+            return f"{r[key]:{spec}}{suffix}" if r.get(key) is not None else ""
+        same = {True: "yes", False: "NO", None: "n/a"}[r["identical_to_plain"]]
+        if result["temperature"] > 0 and same != "n/a":
+            same = "(sampled)"
+        lines.append(f"| {r['category']} | {method_label(r)} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x "
+                     f"| {fmt('theoretical_speedup', '.2f', 'x')} | {fmt('bound_speedup', '.2f', 'x')} "
+                     f"| {fmt('acceptance_rate', '.2f')} "
+                     f"| {fmt('mean_accepted_length', '.2f')} | {same} |")
+    return "\n".join(lines)
+
+
+def plots(result: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    categories = list(dict.fromkeys(r["category"] for r in rows))
+    methods = list(dict.fromkeys(method_label(r) for r in rows if r["method"] != "plain"))
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(categories)), 4.5))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        values = [next((r["speedup"] for r in rows if r["category"] == c and method_label(r) == m), 0) for c in categories]
+        ax.bar([j + i * width for j in range(len(categories))], values, width, label=m,
+               hatch="//" if m.startswith("transformers") else None)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(categories))], categories)
+    ax.set_ylabel("speedup over our plain decoding")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"{result['target']}: speedup by category")
+    paths.append(_save(fig, out_dir / "speedup.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in methods:
+        for c in categories:
+            r = next((r for r in rows if r["category"] == c and method_label(r) == m), None)
+            if r and r.get("acceptance_by_position"):
+                ax.plot(range(1, len(r["acceptance_by_position"]) + 1), r["acceptance_by_position"], marker="o",
+                        label=f"{m}, {c}", linewidth=1)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title("acceptance by draft position")
+    paths.append(_save(fig, out_dir / "acceptance_by_position.png"))
+
+    ours = [r for r in rows if r.get("time_split")]
+    fig, ax = plt.subplots(figsize=(max(8, 0.5 * len(ours)), 4.5))
+    bottom = [0.0] * len(ours)
+    for part in ("prefill", "draft", "verify", "other"):
+        values = [r["time_split"][part] / max(1e-9, sum(r["time_split"].values())) for r in ours]
+        ax.bar(range(len(ours)), values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(ours)), [f"{r['category']}\n{method_label(r)}" for r in ours], rotation=90, fontsize=6)
+    ax.set_ylabel("share of time")
+    ax.legend(fontsize=7)
+    ax.set_title("time split")
+    paths.append(_save(fig, out_dir / "time_split.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_report(result: dict, out_dir: Path) -> list[Path]:
+    """results.json, report.md and the plots, each written whole (temporary name, then rename)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in (("results.json", json.dumps(result, indent=1)), ("report.md", table(result) + "\n")):
+        partial = out_dir / f".{name}.partial"
+        partial.write_text(text)
+        partial.replace(out_dir / name)
+        written.append(out_dir / name)
+    return written + plots(result, out_dir)
