@@ -223,13 +223,14 @@ def add_demo(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--k", type=int, default=None)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--profile", help="a `specdecode tune` profile: k chosen adaptively from its measurements")
     p.set_defaults(func=run_demo_cmd)
 
 
 def run_demo_cmd(args) -> int:
     from .demo import run_demo
 
-    run_demo(max_new_tokens=args.max_new_tokens, k=args.k, dtype=args.dtype)
+    run_demo(max_new_tokens=args.max_new_tokens, k=args.k, dtype=args.dtype, profile=args.profile)
     return 0
 
 

@@ -12,10 +12,15 @@ import sys
 
 from .api import DEFAULT_DRAFT, DEFAULT_K, DEFAULT_TARGET, load_model, make_draft_model
 from .engine import decode
+from .errors import SpecDecodeError
 from .events import collect
 from .prompts import encode_prompt
 from .stopping import StopCondition
 from .textstream import TextStream
+from .tune import Profile
+
+# Each demo prompt's kind, and the task category of a `tune` profile that matches it.
+CATEGORY = {"code": "code-completion", "code edit": "code-edit", "prose": "chat"}
 
 DEMO_PROMPTS = [
     ("code", "Write a Python function `quicksort(items)` that returns a sorted copy of a list."),
@@ -41,10 +46,14 @@ def _run(target, prompt_ids, stop, drafter=None, k=4, on_round=None):
     return tokens, done.stats
 
 
-def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None = None, out=sys.stdout) -> list[dict]:
+def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None = None, profile: str | None = None,
+             out=sys.stdout) -> list[dict]:
     print(f"loading {DEFAULT_TARGET} (target) and {DEFAULT_DRAFT} (draft); the first run downloads them",
           file=out, flush=True)
     target, draft = load_model(DEFAULT_TARGET, dtype), load_model(DEFAULT_DRAFT, dtype)
+    if profile is not None and k is not None:
+        raise SpecDecodeError("pass --k or --profile, not both: the profile chooses k")
+    tuned = Profile.load(profile) if profile is not None else None
     k = k or DEFAULT_K["draft-model"]
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     rows = []
@@ -57,7 +66,8 @@ def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None =
             out.write(text.add(event.token_ids))
             out.flush()
 
-        spec_tokens, spec = _run(target, prompt_ids, stop, make_draft_model(target, draft), k, show)
+        policy = tuned.policy(CATEGORY[kind] if CATEGORY[kind] in tuned.categories else None) if tuned else k
+        spec_tokens, spec = _run(target, prompt_ids, stop, make_draft_model(target, draft), policy, show)
         plain_tokens, plain = _run(target, prompt_ids, stop)
         rows.append({"kind": kind, "plain_tokens_per_s": plain.tokens_per_s, "spec_tokens_per_s": spec.tokens_per_s,
                      "speedup": plain.wall_s / spec.wall_s * len(spec_tokens) / max(1, len(plain_tokens)),
@@ -69,5 +79,6 @@ def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None =
         print(f"{r['kind']:<10} {r['plain_tokens_per_s']:>11.2f} {r['spec_tokens_per_s']:>10.2f} "
               f"{r['speedup']:>7.2f}x {r['acceptance_rate']:>5.2f} {r['mean_accepted_length']:>5.2f}  "
               f"{'yes' if r['identical'] else 'NO'}", file=out)
-    print(f"(k = {k}, greedy, {max_new_tokens} new tokens at most; single runs, so timings are indicative)", file=out)
+    chosen = f"k adaptive from {profile}" if tuned else f"k = {k}"
+    print(f"({chosen}, greedy, {max_new_tokens} new tokens at most; single runs, so timings are indicative)", file=out)
     return rows

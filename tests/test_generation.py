@@ -131,3 +131,23 @@ def test_transformers_style_generate_call():
     assert torch.equal(assisted, plain) and torch.equal(lookup, plain)
     with pytest.raises(SpecDecodeError, match="not both"):
         target.generate(**inputs, assistant_model=target, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.real
+def test_adaptive_k_and_profiles_keep_greedy_output(tmp_path):
+    import specdecode
+    from specdecode.tune import Profile
+
+    prompt = "Add type hints to this function:\ndef area(width, height):\n    return width * height\n"
+    options = dict(max_new_tokens=32, target="smollm2-135m-instruct")
+    plain = specdecode.generate(prompt, **options)
+    auto = specdecode.generate(prompt, drafter="prompt-lookup", k="auto", **options)
+    profile = Profile("smollm2-135m-instruct", "prompt-lookup", None, "bfloat16",
+                      {1: 0.02, 4: 0.021, 8: 0.022}, draft_step_s=0.0001)
+    profile.decide("code-edit", 0.7)
+    path = profile.save(tmp_path / "profile.json")
+    tuned = specdecode.generate(prompt, drafter="prompt-lookup", profile=str(path), category="code-edit", **options)
+    assert auto.token_ids == plain.token_ids == tuned.token_ids
+    assert auto.stats.draft_tokens > 0 and tuned.stats.draft_tokens > 0
+    with pytest.raises(SpecDecodeError, match="not both"):
+        specdecode.generate(prompt, drafter="prompt-lookup", k=3, profile=str(path), **options)
