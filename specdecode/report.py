@@ -31,7 +31,7 @@ def table(result: dict) -> str:
             same = "(sampled)"
         lines.append(f"| {r['category']} | {method_label(r)} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x "
                      f"| {fmt('theoretical_speedup', '.2f', 'x')} | {fmt('bound_speedup', '.2f', 'x')} "
-                     f"| {fmt('acceptance_rate', '.2f')} "
+                     f"| {fmt('acceptance_rate', '.2f') if r['method'] != 'plain' else ''} "
                      f"| {fmt('mean_accepted_length', '.2f')} | {same} |")
     return "\n".join(lines)
 
