@@ -9,13 +9,15 @@ Words (design.md):
 Every round emits num_accepted + 1 tokens: the accepted ones, then `next_token` (the
 correction or the bonus token).
 
-Each rule is a pure function of tensors -> (num_accepted, next_token). No model, cache or
-config goes in; randomness comes in as a `torch.Generator`, so a seed makes a round
-repeatable. Probabilities are expected to come from `sampling.logits_to_probs` with the same
-`SamplingConfig` for target and drafter.
+Each rule is a pure function of tensors: the chain rules return (num_accepted,
+next_token), the tree rules (several candidates per position, as a `trees.Tree`) return
+(accepted node indices, next_token), the accepted nodes being one path down from the root.
+No model, cache or config goes in; randomness comes in as a `torch.Generator`, so a seed
+makes a round repeatable. Probabilities are expected to come from
+`sampling.logits_to_probs` with the same `SamplingConfig` for target and drafter.
 
-Left out, for later in this module: batches of sequences (one sequence here), tree and
-multi-candidate rules (several drafts per position), lossy rules (typical acceptance).
+Left out, for later in this module: batches of sequences (one sequence here), lossy rules
+(typical acceptance).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import Tensor
 
 from specdecode.sampling import sample
+from specdecode.trees import Tree
 
 
 def one_hot_probs(tokens: Tensor, vocab_size: int) -> Tensor:
@@ -125,6 +128,133 @@ def rejection_chain(
     next_token = sample(torch.where(tiny_residual, target_row, residual), generator)  # ()
     n, token = torch.stack([num_accepted, next_token]).tolist()
     return n, token
+
+
+def greedy_tree(node_tokens: Tensor, tree: Tree, target_tokens: Tensor) -> tuple[list[int], int]:
+    """Greedy verification of a tree of draft candidates.
+
+    node_tokens: (N+1,) long, the token at each node; node_tokens[0] is the root (the
+        pending token), which is not judged.
+    target_tokens: (N+1,) long, the target's argmax at each node, i.e. the token it would
+        emit after that node's path (`tree_logits.argmax(-1)`).
+
+    From the root, move to the first child (in rank order) whose token is the target's
+    argmax at the current node; stop when no child has it. Every accepted token is thus the
+    token plain greedy decoding would emit there, and next_token is the target's argmax at
+    the last accepted node (the root if none): a correction, or the bonus token at a leaf.
+    So the emitted tokens are exactly those of plain greedy decoding, however the tree is
+    shaped. Returns (accepted node indices without the root, ascending, next_token); one
+    host sync.
+    """
+    _check_tree_rows(node_tokens, tree, "node_tokens", 1)
+    _check_tree_rows(target_tokens, tree, "target_tokens", 1)
+    tokens, targets = torch.stack([node_tokens.long(), target_tokens.long()]).tolist()
+    accepted: list[int] = []
+    node = 0
+    while True:
+        wanted = targets[node]
+        child = next((c for c in tree.children[node] if tokens[c] == wanted), None)
+        if child is None:
+            return accepted, targets[node]
+        accepted.append(child)
+        node = child
+
+
+def rejection_tree(
+    node_tokens: Tensor,
+    tree: Tree,
+    draft_probs: Tensor,
+    target_probs: Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Recursive rejection sampling over a tree of candidates (SpecInfer, Miao et al. 2024;
+    in the without-replacement form of Jeon et al. 2024, "Recursive Speculative Decoding").
+
+    node_tokens: (N+1,) long, the token at each node; node_tokens[0] (the root) is not judged.
+    draft_probs: (N+1, V), row i = the distribution node i's token was actually drawn from,
+        given its parent's path and its earlier-ranked siblings' tokens. I.i.d. sampling
+        (with replacement) passes the same q for every sibling; sampling without
+        replacement passes q with the earlier siblings' tokens removed and renormalised;
+        deterministic candidates (top-k of a head, prompt lookup) pass one-hot rows
+        (`one_hot_probs`). Row 0 is unused.
+    target_probs: (N+1, V), the target's distribution at each node (after its path).
+    generator: the only source of randomness.
+
+    The rule. At the current node (first the root) the residual r starts as the target's
+    row there. Each child c, in rank order, is accepted with probability
+    min(1, r(x_c) / q_c(x_c)) (never if q_c(x_c) = 0, as in `rejection_chain`); on
+    acceptance the walk moves to c and starts over with r = target_probs[c]; on rejection
+    r becomes norm(max(0, r - q_c)) and the next child is tried. When every child is
+    rejected, or the node is a leaf, next_token is sampled from r: a correction token, or
+    the bonus token (r = the target's row) at a leaf whose every ancestor was accepted.
+
+    Why the output is the target's. One candidate x ~ q judged against r, then a sample
+    from norm(max(0, r - q)) on rejection, emits y with probability
+        q(y) min(1, r(y)/q(y)) + (1 - sum_z min(r(z), q(z))) * max(0, r(y) - q(y)) / Z
+      = min(r(y), q(y)) + max(0, r(y) - q(y)) = r(y),
+    since the rejection probability 1 - sum min(r, q) equals the residual mass Z =
+    sum max(0, r - q). This holds for any q, so each sibling may come from its own
+    distribution: what matters is that, given everything that happened before it (its
+    parent's path, the earlier siblings' tokens and their rejections), x_c is drawn from
+    q_c and independently of the uniforms. Replacing "then sample from the residual" by
+    "then judge the next sibling against the residual" keeps the output distributed as r
+    (induction from the last sibling back to the first), so the first token emitted at a
+    node is distributed as target_probs[node]. Given that the walk accepted c, the tokens
+    after it come from the same procedure at c with the target's row after c's path; so the
+    whole emitted sequence follows the target, exactly as sampling it alone would.
+
+    The generator always advances by the same amount (N uniforms, node i using the
+    (i-1)-th, then one row of V exponentials), whatever is accepted. With a chain tree this
+    is `rejection_chain` step for step. Returns (accepted node indices without the root,
+    ascending, next_token). Host syncs: one, plus one per child judged (at most N).
+    """
+    _check_tree_rows(node_tokens, tree, "node_tokens", 1)
+    _check_tree_rows(target_probs, tree, "target_probs", 2)
+    if draft_probs.shape != target_probs.shape:
+        raise ValueError(
+            f"draft_probs must be (N+1, V) = {tuple(target_probs.shape)} like target_probs, "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    num_nodes = tree.num_nodes
+    tokens = node_tokens.long().to(draft_probs.device)  # (N+1,)
+    uniforms = torch.rand(num_nodes - 1, generator=generator, device=target_probs.device)  # (N,)
+    draft_at_token = draft_probs.gather(1, tokens.unsqueeze(1))[1:, 0]  # (N,) q_i(x_i)
+    # As in rejection_chain, u < r/q is tested as u * q < r, so 0/0 never happens.
+    scaled, draft_host = torch.stack([uniforms * draft_at_token, draft_at_token]).tolist()
+    tokens_host = tokens.tolist()
+    eps = torch.finfo(target_probs.dtype).eps
+
+    accepted: list[int] = []
+    node = 0
+    residual = target_probs[0]  # (V,) r at the current node, normalised
+    while True:
+        moved = False
+        for child in tree.children[node]:
+            i = child - 1  # uniforms and draft_at_token skip the root
+            if draft_host[i] > 0 and scaled[i] < float(residual[tokens_host[child]]):
+                accepted.append(child)
+                node, residual, moved = child, target_probs[child], True
+                break
+            left = (residual - draft_probs[child]).clamp_min(0.0)  # (V,) unnormalised
+            mass = left.sum()
+            # Rejection implies a positive residual in exact arithmetic; one of ~0 is rounding
+            # reached with probability <= its mass (~eps). As in rejection_chain, fall back to
+            # the target's row: harmless at that probability, and inside the target's support.
+            residual = torch.where(mass <= eps, target_probs[node], left / mass)
+        if not moved:
+            break
+    next_token = int(sample(residual, generator))
+    return accepted, next_token
+
+
+def _check_tree_rows(values: Tensor, tree: Tree, name: str, dim: int) -> None:
+    """Check that values has `dim` dimensions and one row per node of the tree."""
+    shape = "(N+1,)" if dim == 1 else "(N+1, V)"
+    if values.dim() != dim or values.shape[0] != tree.num_nodes:
+        raise ValueError(
+            f"{name} must be {shape} with N+1 = {tree.num_nodes} (one row per node, the root "
+            f"first), got {tuple(values.shape)}"
+        )
 
 
 def _check_chain(draft_tokens: Tensor, num_target_positions: int, name: str) -> int:

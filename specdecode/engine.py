@@ -9,9 +9,20 @@ decoding step, so plain and speculative decoding share every line that decides t
 Cache invariant: the target's cache holds every context token except the last emitted
 one, which is the first input of the next round.
 
+A tree drafter (Medusa, EAGLE, a branching draft model) proposes a tree of candidates
+instead (trees.py): the target runs once over the root and every node, each attending to
+its ancestors only (tree attention masks and positions), the tree rule of acceptance.py
+picks the longest accepted path, and `KVCache.compact` packs that path's slots so the
+cache invariant holds again. For such a round, "drafted" counts the tree's depth, so α
+is the acceptance per depth, comparable with a chain's per position.
+
+Drafters that read the target's hidden states get them for every position the target
+keeps (the prompt after prefill, then the root and the accepted path each round).
+
 The loop yields `Round` events and a final `Done` (events.py); it never formats text.
-Left out: trees (a later rule in acceptance.py), batches of sequences.
-The draft length may change every round: `k` is an int or a policy from adaptive.py.
+Left out: batches of sequences.
+The draft length of a chain may change every round: `k` is an int or a policy from
+adaptive.py; a tree drafter's tree is its own (k is ignored).
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .acceptance import greedy_chain, one_hot_probs, rejection_chain
+from .acceptance import greedy_chain, greedy_tree, one_hot_probs, rejection_chain, rejection_tree
 from .adaptive import AdaptiveK, FixedK
 from .drafters.base import Drafter
 from .errors import SpecDecodeError
@@ -29,6 +40,7 @@ from .events import Done, Round, Stats
 from .prompts import check_fits
 from .sampling import SamplingConfig, logits_to_probs, sample
 from .stopping import StopCondition
+from .trees import tree_attention
 
 
 def decode(
@@ -41,10 +53,12 @@ def decode(
     generator: torch.Generator | None = None,
 ) -> Iterator[Round | Done]:
     """k is a fixed draft length, or a policy (adaptive.py) asked for k before each round."""
-    if isinstance(k, int) and drafter is not None and k < 1:
+    is_tree = hasattr(drafter, "propose_tree")
+    if isinstance(k, int) and drafter is not None and k < 1 and not is_tree:
         raise SpecDecodeError(f"the draft length k must be >= 1, got {k}")
     policy = FixedK(k) if isinstance(k, int) else k
-    k_max = k if isinstance(k, int) else policy.k_max
+    k_max = drafter.max_nodes if is_tree else k if isinstance(k, int) else policy.k_max
+    layers = tuple(getattr(drafter, "target_layers", ()))
     if not prompt_ids:
         raise SpecDecodeError("the prompt is empty")
     check_fits(len(prompt_ids), stop.max_new_tokens, target.max_position_embeddings)
@@ -57,8 +71,10 @@ def decode(
 
     room = min(len(prompt_ids) + stop.max_new_tokens + k_max + 1, target.max_position_embeddings)
     cache = target.new_cache(1, room)
-    logits = target(torch.tensor([list(prompt_ids)]), cache, num_logits=1).logits[0]  # (1, V)
-    first = _pick(logits, sampling, generator)[0]
+    out = target(torch.tensor([list(prompt_ids)]), cache, num_logits=1, hidden_layers=layers)
+    if layers:
+        drafter.observe_target({layer: out.hidden_states[layer][0] for layer in layers})
+    first = _pick(out.logits[0], sampling, generator)[0]  # logits (1, V)
     stats.prefill_s = time.perf_counter() - started
     context = list(prompt_ids) + [first]
     new_tokens = [first]
@@ -69,23 +85,32 @@ def decode(
     while reason is None:
         t0 = time.perf_counter()
         budget = min(stop.max_new_tokens - len(new_tokens), cache.max_len - cache.length) - 1
-        k_round = min(policy.next_k(), budget) if drafter is not None else 0
-        draft_tokens, draft_probs = _propose(drafter, context, k_round, sampling, generator)
-        t1 = time.perf_counter()
-        num_accepted, next_token = _verify(target, cache, context[-1], draft_tokens, draft_probs, sampling, generator)
-        cache.rewind(len(draft_tokens) - num_accepted)
-        policy.observe(len(draft_tokens), num_accepted)
+        if is_tree:
+            proposal = drafter.propose_tree(context, budget, sampling, generator)
+            t1 = time.perf_counter()
+            path, next_token = _verify_tree(target, cache, context[-1], proposal, sampling, generator, layers, drafter)
+            num_drafted, num_accepted = proposal.tree.max_depth, len(path)
+            accepted_tokens = proposal.tokens[[node - 1 for node in path]].tolist()
+        else:
+            k_round = min(policy.next_k(), budget) if drafter is not None else 0
+            draft_tokens, draft_probs = _propose(drafter, context, k_round, sampling, generator)
+            t1 = time.perf_counter()
+            num_accepted, next_token = _verify(target, cache, context[-1], draft_tokens, draft_probs, sampling,
+                                               generator)
+            cache.rewind(len(draft_tokens) - num_accepted)
+            policy.observe(len(draft_tokens), num_accepted)
+            num_drafted, accepted_tokens = len(draft_tokens), draft_tokens[:num_accepted].tolist()
         t2 = time.perf_counter()
 
-        emitted = draft_tokens[:num_accepted].tolist() + [next_token]
+        emitted = accepted_tokens + [next_token]
         checked = len(new_tokens)
         new_tokens += emitted
         keep, reason = stop.check(new_tokens, checked)
         emitted = emitted[: keep - checked]
         del new_tokens[keep:]
         context += emitted
-        stats.add_round(len(draft_tokens), num_accepted, len(emitted), t1 - t0, t2 - t1)
-        yield Round(tuple(emitted), len(draft_tokens), min(num_accepted, len(emitted)), t1 - t0, t2 - t1)
+        stats.add_round(num_drafted, num_accepted, len(emitted), t1 - t0, t2 - t1)
+        yield Round(tuple(emitted), num_drafted, min(num_accepted, len(emitted)), t1 - t0, t2 - t1)
 
     stats.wall_s = time.perf_counter() - started
     yield Done(reason, stats)
@@ -116,3 +141,29 @@ def _verify(target, cache, pending: int, draft_tokens: torch.Tensor, draft_probs
     if draft_probs is None:  # a deterministic drafter: all its mass on what it proposed
         draft_probs = one_hot_probs(draft_tokens, target_probs.shape[-1])
     return rejection_chain(draft_tokens, draft_probs, target_probs, generator)
+
+
+def _verify_tree(target, cache, pending: int, proposal, sampling: SamplingConfig, generator, layers, drafter):
+    """One target pass over the root and every node of the tree, each seeing only its
+    ancestors; keeps the longest accepted path in the cache. Returns (path, next_token)."""
+    tree = proposal.tree
+    node_tokens = torch.cat([torch.tensor([pending]), proposal.tokens])  # (N+1,)
+    start = cache.length
+    positions, mask = tree_attention(tree, start)
+    out = target(node_tokens[None], cache, positions=positions, mask=mask, hidden_layers=layers)
+    logits = out.logits[0]  # (N+1, V)
+    if sampling.greedy:
+        path, next_token = greedy_tree(node_tokens, tree, logits.argmax(dim=-1))
+    else:
+        target_probs = logits_to_probs(logits, sampling)  # (N+1, V)
+        draft_probs = proposal.probs
+        if draft_probs is None:
+            draft_probs = one_hot_probs(proposal.tokens, target_probs.shape[-1])
+        root_row = draft_probs.new_zeros(1, draft_probs.shape[-1])  # the root's row, unused
+        draft_probs = torch.cat([root_row, draft_probs])
+        path, next_token = rejection_tree(node_tokens, tree, draft_probs, target_probs, generator)
+    kept = [0] + list(path)
+    cache.compact([start + node for node in kept])
+    if layers:
+        drafter.observe_target({layer: out.hidden_states[layer][0, kept] for layer in layers})
+    return path, next_token
