@@ -20,7 +20,9 @@ from typing import Iterator, Sequence
 import torch
 
 from .adaptive import AdaptiveK, CostModel
+from . import medusa
 from .drafters import DraftModel, PromptLookup, check_same_tokenizer
+from .drafters.medusa import MedusaDrafter
 from .engine import decode
 from .errors import SpecDecodeError
 from .events import Done, Round, Stats, collect
@@ -32,7 +34,7 @@ from .tune import Profile
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-DRAFTERS = ("draft-model", "prompt-lookup")
+DRAFTERS = ("draft-model", "prompt-lookup", "medusa")
 # Measured with `specdecode bench` on the Qwen pair (README): k = 2 was best or within 6% on
 # every kind of prompt, where larger k lost up to 20% on prose.
 DEFAULT_K = {"draft-model": 2, "prompt-lookup": 4}
@@ -78,38 +80,67 @@ def make_draft_model(target: Model, draft: Model) -> DraftModel:
     return DraftModel(draft.model, target.model.vocab_size)
 
 
-def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: str | None):
+def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: str | None,
+                 heads: str | None = None):
     """The drafter a front end asked for: a name, or a draft model's name (implies draft-model)."""
     if drafter is None and draft is None:
+        if heads is not None:
+            raise SpecDecodeError("--heads goes with --drafter medusa")
         return None
     if drafter is None:
         drafter = "draft-model"
     if drafter not in DRAFTERS:
         raise SpecDecodeError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
+    if draft is not None and drafter != "draft-model":
+        raise SpecDecodeError(f"--draft names a draft model; it does not go with the {drafter} drafter")
+    if heads is not None and drafter != "medusa":
+        raise SpecDecodeError("--heads goes with --drafter medusa")
     if drafter == "prompt-lookup":
-        if draft is not None:
-            raise SpecDecodeError("--draft names a draft model; it does not go with the prompt-lookup drafter")
         return PromptLookup()
+    if drafter == "medusa":
+        return make_medusa(target, heads)
     return make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
 
 
-def choose_k(target: Model, drafter, k: int | str | None, profile: str | None, category: str | None):
-    """A fixed k, or an adaptive policy from a tuning profile or from size-based costs."""
-    if drafter is None:
-        if profile is not None or k is not None:
-            raise SpecDecodeError("--k and --profile need a drafter (--draft or --drafter)")
-        return 0
+def make_medusa(target: Model, heads: str | None = None) -> MedusaDrafter:
+    """Medusa heads from a folder, or the ones trained (or shipped) for this target."""
+    folder = heads or medusa.find(target.info.source, target.info.folder)
+    trained, config = medusa.load(folder)
+    if config.target_sha256 and target.info.sha256 and config.target_sha256 != target.info.sha256:
+        raise SpecDecodeError(f"the heads in {folder} were trained on {config.target} "
+                              f"(sha256 {config.target_sha256[:12]}), not on this target")
+    return MedusaDrafter(target.model, trained, [tuple(p) for p in config.tree])
+
+
+def plan(target: Model, drafter: str | None, draft: str | None, k: int | str | None, profile: str | None,
+         category: str | None, dtype: str | None = None, heads: str | None = None):
+    """(drafter, k or policy) for a request: a fixed k, "auto" (adaptive, costs estimated
+    from sizes), or a tuning profile, which also picks the drafter unless one is named."""
     if profile is not None:
         if k is not None:
             raise SpecDecodeError("pass --k or --profile, not both: the profile chooses k")
-        return Profile.load(profile).policy(category)
+        tuned = Profile.load(profile)
+        name, policy = tuned.choose(category, drafter or ("draft-model" if draft else None))
+        if name == "draft-model":
+            draft = draft or tuned.drafters[name]["draft"]
+        return make_drafter(target, name, draft, dtype), policy
     if category is not None:
         raise SpecDecodeError("--category selects a category of a --profile")
+    the_drafter = make_drafter(target, drafter, draft, dtype, heads)
+    if hasattr(the_drafter, "propose_tree"):
+        if k is not None:
+            raise SpecDecodeError(f"--k does not apply to {the_drafter.name}: it verifies a tree chosen "
+                                  "from measured acceptance")
+        return the_drafter, 0
+    if the_drafter is None:
+        if k is not None:
+            raise SpecDecodeError("--k needs a drafter (--draft, --drafter or --profile)")
+        return None, 0
     if k == "auto":
-        return AdaptiveK(CostModel(draft_ratio=estimated_draft_ratio(target, drafter)))
+        return the_drafter, AdaptiveK(CostModel(draft_ratio=estimated_draft_ratio(target, the_drafter)))
     if isinstance(k, str):
         raise SpecDecodeError(f"k must be a number or 'auto', got {k!r}")
-    return DEFAULT_K[drafter.name] if k is None else k
+    return the_drafter, DEFAULT_K[the_drafter.name] if k is None else k
 
 
 def estimated_draft_ratio(target: Model, drafter) -> float:
@@ -135,17 +166,19 @@ def stream(prompt: str | list[dict], target: str = DEFAULT_TARGET, *, draft: str
            drafter: str | None = None, k: int | str | None = None, max_new_tokens: int = 256,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
            stop: Sequence[str] = (), chat: bool = True, dtype: str | None = None,
-           profile: str | None = None, category: str | None = None) -> Iterator[Round | Done]:
+           profile: str | None = None, category: str | None = None,
+           heads: str | None = None) -> Iterator[Round | Done]:
     """Yields the engine's events: a `Round` per target pass, then `Done`.
 
     k: a draft length, or "auto" for the adaptive policy (adaptive.py) with costs estimated
-    from the models' sizes; `profile` (a file from `specdecode tune`) seeds the adaptive
-    policy with measured costs and the acceptance of `category` instead.
+    from the models' sizes. `profile` (a file from `specdecode tune`) picks the drafter
+    that pays best on `category` (or on average) unless `drafter`/`draft` name one, and
+    seeds the adaptive policy with its measured costs and acceptance. drafter="medusa" uses
+    the heads in `heads` (a folder), else those `specdecode train medusa` made for `target`.
     """
     target_model = load_model(target, dtype)
     sampling = SamplingConfig(temperature, top_k, top_p)
-    the_drafter = make_drafter(target_model, drafter, draft, dtype)
-    k = choose_k(target_model, the_drafter, k, profile, category)
+    the_drafter, k = plan(target_model, drafter, draft, k, profile, category, dtype, heads)
     stop_condition = StopCondition(frozenset(target_model.info.eos_token_ids), tuple(stop), max_new_tokens,
                                    target_model.tokenizer)
     prompt_ids = encode_prompt(target_model.tokenizer, prompt, chat)

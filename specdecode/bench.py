@@ -3,8 +3,10 @@
 For each prompt, every method runs to the same budget, interleaved (plain, method A,
 method B, ..., peers; then again) after a warm-up, and the median of the repeats is kept
 (../shared/benchmark.md). Methods: our plain decoding, the draft model at each k, prompt
-lookup, `adaptive` (the draft model with k chosen per round by adaptive.py, seeded by a
-`tune` profile when one is given), and transformers' plain `generate`, `assistant_model=`
+lookup, `adaptive` (the draft model with k chosen per round by adaptive.py from costs
+estimated by model size), `tuned` (per category the drafter a `tune` profile chose, its k
+adaptive from the profile's measured costs and α), `medusa` (the target's trained heads
+and their tree), and transformers' plain `generate`, `assistant_model=`
 and `prompt_lookup_num_tokens=` on the same weights, dtype, prompts and budget. Per
 category it reports speedup over our plain decoding (time per output token, summed over
 the category's prompts), α, τ, acceptance by draft position, the time split, the
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import AdaptiveK, CostModel, expected_tokens
-from .api import DEFAULT_DRAFT, DEFAULT_TARGET, estimated_draft_ratio, load_model, make_draft_model
+from .api import DEFAULT_DRAFT, DEFAULT_TARGET, estimated_draft_ratio, load_model, make_draft_model, make_medusa
 from .drafters import PromptLookup
 from .engine import decode
 from .errors import SpecDecodeError
@@ -42,7 +44,7 @@ from .sampling import SamplingConfig
 from .stopping import StopCondition
 from .suites import conversation
 
-METHODS = ("draft-model", "prompt-lookup", "adaptive")
+METHODS = ("draft-model", "prompt-lookup", "adaptive", "tuned", "medusa")
 
 
 def theoretical_speedup(alpha: float, k: int, plain_step_s: float, draft_step_s: float, verify_s: float) -> float:
@@ -60,17 +62,18 @@ class Run:
 class Method:
     name: str  # e.g. "draft-model", "transformers assisted"
     k: int | None  # None: plain, adaptive or a peer choosing its own
-    run: callable  # prompt_ids -> Run
+    run: callable  # (prompt_ids, category) -> Run
     ours: bool = True
     results: dict = field(default_factory=dict)  # (category, prompt index) -> [Run]
 
 
 def _ours(target, stop, sampling, seed, drafter=None, k=0):
-    def run(prompt_ids):
+    """drafter and k may be fixed, or a function of the category giving (drafter, k or policy)."""
+    def run(prompt_ids, category):
         generator = torch.Generator().manual_seed(seed)
         started = time.perf_counter()
-        tokens, done = collect(decode(target.model, prompt_ids, stop, sampling,
-                                      drafter, k() if callable(k) else k, generator))
+        the_drafter, the_k = drafter(category) if callable(drafter) else (drafter, k() if callable(k) else k)
+        tokens, done = collect(decode(target.model, prompt_ids, stop, sampling, the_drafter, the_k, generator))
         return Run(time.perf_counter() - started, tokens, done.stats)
     return run
 
@@ -79,7 +82,7 @@ def _transformers(hf_target, max_new_tokens, eos, sampling, seed, **kw):
     sample = {} if sampling.greedy else {"do_sample": True, "temperature": sampling.temperature,
                                           "top_k": sampling.top_k or None, "top_p": sampling.top_p}
 
-    def run(prompt_ids):
+    def run(prompt_ids, category):
         torch.manual_seed(seed)
         ids = torch.tensor([prompt_ids])
         started = time.perf_counter()
@@ -93,9 +96,12 @@ def _transformers(hf_target, max_new_tokens, eos, sampling, seed, **kw):
 
 def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, seed, peers, max_new_tokens):
     methods = [Method("plain", None, _ours(target, stop, sampling, seed))]
-    if "draft-model" in names or "adaptive" in names:
+    if "tuned" in names and profile is None:
+        raise SpecDecodeError("the tuned method needs --profile (from `specdecode tune`)")
+    if "draft-model" in names or "adaptive" in names or (
+            "tuned" in names and "draft-model" in profile.drafters):
         if draft is None:
-            raise SpecDecodeError("the draft-model and adaptive methods need --draft")
+            raise SpecDecodeError("the draft-model, adaptive and tuned (with a draft model) methods need --draft")
         drafter = make_draft_model(target, draft)
     for name in names:
         if name == "draft-model":
@@ -104,10 +110,15 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
             methods.append(Method(name, lookup_k, _ours(target, stop, sampling, seed, PromptLookup(), lookup_k)))
         elif name == "adaptive":
             def policy():  # a fresh policy per generation
-                if profile is not None:
-                    return profile.policy()
                 return AdaptiveK(CostModel(estimated_draft_ratio(target, drafter)))
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, drafter, policy)))
+        elif name == "medusa":  # the heads trained (or shipped) for the target; its tree is its own
+            methods.append(Method(name, None, _ours(target, stop, sampling, seed, make_medusa(target), 0)))
+        elif name == "tuned":
+            def tuned(category):  # the profile's drafter for the category, and a fresh policy
+                chosen, policy = profile.choose(category if category in profile.categories else None)
+                return (drafter if chosen == "draft-model" else PromptLookup()), policy
+            methods.append(Method(name, None, _ours(target, stop, sampling, seed, tuned)))
         else:
             raise SpecDecodeError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     if peers:
@@ -156,13 +167,13 @@ def run_bench(questions, target_name=DEFAULT_TARGET, draft_name: str | None = DE
 
     log("warm-up: every method once")
     for m in method_list:
-        m.run(prompts[0][1])
+        m.run(prompts[0][1], prompts[0][0])
     bar = tqdm(total=len(prompts) * repeats * len(method_list), desc="bench", unit="run")
     for index, (category, prompt_ids) in enumerate(prompts):
         for _ in range(repeats):
             for m in method_list:
                 bar.set_postfix_str(f"{category} / {label(m)}")
-                m.results.setdefault((category, index), []).append(m.run(prompt_ids))
+                m.results.setdefault((category, index), []).append(m.run(prompt_ids, category))
                 bar.update()
     bar.close()
 

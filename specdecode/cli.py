@@ -33,8 +33,10 @@ def add_generate(sub) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, help="how to draft; none = plain decoding")
     p.add_argument("--k", type=_k_value, default=None,
                    help="draft tokens per round, or 'auto' to adapt k to the acceptance seen")
-    p.add_argument("--profile", help="a profile from `specdecode tune`: measured costs choose k, adaptively")
-    p.add_argument("--category", help="the profile's category whose acceptance seeds k (default: their mean)")
+    p.add_argument("--profile", help="a profile from `specdecode tune`: it picks the drafter (unless given) "
+                   "and seeds an adaptive k with measured costs")
+    p.add_argument("--category", help="the profile's category of this prompt (default: the mean over categories)")
+    p.add_argument("--heads", help="Medusa heads folder (default: the ones trained for the target)")
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -60,7 +62,7 @@ def run_generate(args) -> int:
     events = stream(prompt, args.target, draft=args.draft, drafter=args.drafter, k=args.k,
                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=not args.raw, dtype=args.dtype,
-                    profile=args.profile, category=args.category)
+                    profile=args.profile, category=args.category, heads=args.heads)
     tokenizer = None
     tokens: list[int] = []
     text_stream = None
@@ -148,7 +150,8 @@ def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="every method vs plain decoding and transformers, per task category")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft-model and adaptive ('' = none)")
-    p.add_argument("--methods", type=_csv, default=list(METHODS), help=f"of {','.join(METHODS)}")
+    p.add_argument("--methods", type=_csv, default=None,
+                   help=f"of {','.join(METHODS)} (default: all but medusa; tuned only with --profile)")
     p.add_argument("--k", type=_csv, default=["2", "3", "4"], help="draft lengths for the draft model")
     p.add_argument("--lookup-k", type=int, default=4, help="draft length for prompt lookup")
     add_questions_args(p, default_limit=10)
@@ -158,7 +161,7 @@ def add_bench(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="also run transformers' generate: plain, assisted, prompt lookup")
-    p.add_argument("--profile", help="a `specdecode tune` profile for the adaptive method")
+    p.add_argument("--profile", help="a `specdecode tune` profile for the tuned method")
     p.add_argument("--out", default="out/bench", help="folder for results.json, report.md and plots")
     p.set_defaults(func=run_bench_cmd)
 
@@ -166,7 +169,7 @@ def add_bench(sub) -> None:
 def run_bench_cmd(args) -> int:
     from pathlib import Path
 
-    from .bench import run_bench
+    from .bench import METHODS, run_bench
     from .report import table, write_report
     from .tune import Profile
 
@@ -178,7 +181,9 @@ def run_bench_cmd(args) -> int:
     questions = load_questions(args)
     profile = Profile.load(args.profile) if args.profile else None
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    result = run_bench(questions, args.target, args.draft or None, tuple(args.methods), ks, args.lookup_k,
+    methods = args.methods or [m for m in METHODS if (m != "tuned" or profile is not None) and m != "medusa"
+                               and (args.draft or m not in ("draft-model", "adaptive"))]
+    result = run_bench(questions, args.target, args.draft or None, tuple(methods), ks, args.lookup_k,
                        args.max_new_tokens, args.repeats, args.temperature, args.seed, args.peers, profile, log=log)
     for path in write_report(result, Path(args.out)):
         log(f"wrote {path}")
@@ -187,12 +192,12 @@ def run_bench_cmd(args) -> int:
 
 
 def add_tune(sub) -> None:
-    from .api import DEFAULT_TARGET, DRAFTERS
+    from .api import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS
 
-    p = sub.add_parser("tune", help="measure costs and acceptance; choose k (or off) per category")
+    p = sub.add_parser("tune", help="measure costs and acceptance; choose drafter and k (or off) per category")
     p.add_argument("--target", default=DEFAULT_TARGET)
-    p.add_argument("--draft", help="draft model (implies --drafter draft-model)")
-    p.add_argument("--drafter", choices=DRAFTERS)
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the draft-model drafter ('' = none)")
+    p.add_argument("--drafters", type=_csv, default=list(DRAFTERS), help=f"of {','.join(DRAFTERS)}")
     add_questions_args(p, default_limit=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k-max", type=int, default=8)
@@ -203,18 +208,53 @@ def add_tune(sub) -> None:
 def run_tune_cmd(args) -> int:
     from .tune import default_profile_path, run_tune
 
-    if args.draft is None and args.drafter is None:
-        raise SpecDecodeError("tune needs a drafter: --draft NAME or --drafter prompt-lookup")
+    from .api import DRAFTERS
+
+    drafters = [d for d in args.drafters if d != "draft-model" or args.draft]
+    unknown = [d for d in drafters if d not in DRAFTERS]
+    if unknown or not drafters:
+        raise SpecDecodeError(f"--drafters must name some of {', '.join(DRAFTERS)} "
+                              "(draft-model needs --draft)")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    profile = run_tune(args.target, args.drafter, args.draft, load_questions(args), args.max_new_tokens,
+    profile = run_tune(args.target, drafters, args.draft or None, load_questions(args), args.max_new_tokens,
                        k_max=args.k_max, log=log)
-    path = profile.save(args.out or default_profile_path(args.target, profile.drafter, profile.draft))
-    print(f"{'category':<16} {'α':>5} {'k':>4} {'expected':>9}")
+    path = profile.save(args.out or default_profile_path(args.target, profile.drafters.get("draft-model", {}).get("draft")))
+    alphas = "".join(f" {'α ' + name:>18}" for name in profile.drafters)
+    print(f"{'category':<16}{alphas} {'chosen':>14} {'k':>4} {'expected':>9}")
     for name, c in profile.categories.items():
-        print(f"{name:<16} {c['alpha']:>5.2f} {c['k'] or 'off':>4} {c['expected_speedup']:>8.2f}x")
-    print(f"draft step / plain step c = {profile.costs.draft_ratio:.3f}; "
-          f"verify 8 / 1 = {profile.costs.verify(8):.2f}, 64 / 1 = {profile.costs.verify(64):.2f}")
+        print(f"{name:<16}" + "".join(f" {c['alpha'][d]:>18.2f}" for d in profile.drafters)
+              + f" {c['drafter']:>14} {c['k'] or 'off':>4} {c['expected_speedup']:>8.2f}x")
+    one = profile.verify_seconds[1]
+    print("draft step / plain step c: " + ", ".join(f"{n} {d['step_s'] / one:.3f}" for n, d in profile.drafters.items())
+          + f"; verify 8 / 1 = {profile.costs(drafters[0]).verify(8):.2f}, "
+          f"64 / 1 = {profile.costs(drafters[0]).verify(64):.2f}")
     print(f"saved {path}  (use: specdecode generate --profile {path} [--category NAME])")
+    return 0
+
+
+def add_train(sub) -> None:
+    from .api import DEFAULT_TARGET
+
+    p = sub.add_parser("train", help="train drafter heads on a frozen target (self-distillation)")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    m = kinds.add_parser("medusa", help="Medusa heads: extra heads on the target's last hidden state")
+    m.add_argument("--target", default=DEFAULT_TARGET)
+    m.add_argument("--heads", type=int, default=3, help="number of heads (offsets +2, +3, ...)")
+    m.add_argument("--tokens", type=int, default=100_000, help="tokens of standard-library source")
+    m.add_argument("--answers", type=int, default=24, help="prompts the target answers for training")
+    m.add_argument("--answer-tokens", type=int, default=128)
+    m.add_argument("--epochs", type=float, default=2.0)
+    m.add_argument("--out", help="artifact folder (default: beside the target's cached weights)")
+    m.set_defaults(func=run_train_cmd)
+
+
+def run_train_cmd(args) -> int:
+    from .training.medusa import run_train_medusa
+
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    folder = run_train_medusa(args.target, args.heads, args.tokens, args.answers, args.answer_tokens,
+                              args.epochs, args.out, log=log)
+    print(f"saved {folder}  (use: specdecode generate --target {args.target} --drafter medusa)")
     return 0
 
 
@@ -242,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_speed(sub)
     add_bench(sub)
     add_tune(sub)
+    add_train(sub)
     add_demo(sub)
     return parser
 

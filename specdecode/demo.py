@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from .api import DEFAULT_DRAFT, DEFAULT_K, DEFAULT_TARGET, load_model, make_draft_model
+from .drafters import PromptLookup
 from .engine import decode
 from .errors import SpecDecodeError
 from .events import collect
@@ -66,8 +67,12 @@ def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None =
             out.write(text.add(event.token_ids))
             out.flush()
 
-        policy = tuned.policy(CATEGORY[kind] if CATEGORY[kind] in tuned.categories else None) if tuned else k
-        spec_tokens, spec = _run(target, prompt_ids, stop, make_draft_model(target, draft), policy, show)
+        drafter, policy = make_draft_model(target, draft), k
+        if tuned:  # the profile's drafter for this kind of prompt, k adaptive
+            name, policy = tuned.choose(CATEGORY[kind] if CATEGORY[kind] in tuned.categories else None)
+            drafter = PromptLookup() if name == "prompt-lookup" else drafter
+            print(f"(profile: {name}, k adaptive)", file=out, flush=True)
+        spec_tokens, spec = _run(target, prompt_ids, stop, drafter, policy, show)
         plain_tokens, plain = _run(target, prompt_ids, stop)
         rows.append({"kind": kind, "plain_tokens_per_s": plain.tokens_per_s, "spec_tokens_per_s": spec.tokens_per_s,
                      "speedup": plain.wall_s / spec.wall_s * len(spec_tokens) / max(1, len(plain_tokens)),
@@ -79,6 +84,6 @@ def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None =
         print(f"{r['kind']:<10} {r['plain_tokens_per_s']:>11.2f} {r['spec_tokens_per_s']:>10.2f} "
               f"{r['speedup']:>7.2f}x {r['acceptance_rate']:>5.2f} {r['mean_accepted_length']:>5.2f}  "
               f"{'yes' if r['identical'] else 'NO'}", file=out)
-    chosen = f"k adaptive from {profile}" if tuned else f"k = {k}"
+    chosen = f"drafter and k from {profile}" if tuned else f"draft model, k = {k}"
     print(f"({chosen}, greedy, {max_new_tokens} new tokens at most; single runs, so timings are indicative)", file=out)
     return rows

@@ -1,15 +1,15 @@
-"""`specdecode tune`: measure what drafting costs and brings, and choose k per category.
+"""`specdecode tune`: measure what drafting costs and brings; choose drafter and k per category.
 
 It measures, on this machine and in one process:
 - the target's verify-cost curve: time of one pass over n tokens, n = 1..64;
-- the drafter's cost per draft token (a draft model's one-token pass; prompt lookup ~0);
-- per category, the per-position acceptance α (the geometric maximum-likelihood estimate
+- each drafter's cost per draft token (a draft model's one-token pass; prompt lookup ~0);
+- per category and drafter, the per-position acceptance α (the geometric maximum-likelihood estimate
   from greedy generations at a probing k) on the built-in suites or a prompt file.
-Then, per category, it picks the k that maximises expected tokens per second under the
-cost model of adaptive.py, or "off" when no k beats plain decoding, and saves a profile
-(JSON) that `generate --profile`, `demo --profile` and the API use: the profile's cost
-model and the category's α seed the adaptive policy, which then follows the acceptance it
-observes.
+Then, per category, it picks the drafter and k that maximise expected tokens per second
+under the cost model of adaptive.py (k = 0, "off", when nothing beats plain decoding), and
+saves a profile (JSON) that `generate --profile`, `demo --profile`, `bench --methods tuned`
+and the API use: the category's drafter is built, and its cost model and α seed the
+adaptive policy, which then follows the acceptance it observes.
 
 Left out: sampling-temperature-specific acceptance (measured greedy), tree shapes.
 """
@@ -64,42 +64,56 @@ def cost_model(verify_seconds: dict[int, float], draft_step_s: float) -> CostMod
 
 
 def alpha_mle(num_drafted: list[int], num_accepted: list[int]) -> float:
-    """Per-position acceptance from rounds: accepted / (accepted + rounds that rejected)."""
+    """Per-position acceptance from rounds: accepted / (accepted + rounds that rejected).
+
+    A round that drafted nothing (prompt lookup found no match) counts as a rejection at
+    the first position: like one, it emits a single token for about a plain step's cost.
+    """
     accepted = sum(num_accepted)
-    rejections = sum(1 for d, a in zip(num_drafted, num_accepted) if d and a < d)
+    rejections = sum(1 for d, a in zip(num_drafted, num_accepted) if a < d or d == 0)
     return accepted / (accepted + rejections) if accepted + rejections else 0.0
 
 
 @dataclass
 class Profile:
+    """What `tune` measured and chose: verify costs, each drafter's cost, and per category
+    each drafter's α and the (drafter, k) with the highest expected tokens per second."""
+
     target: str
-    drafter: str  # "draft-model" or "prompt-lookup"
-    draft: str | None
     dtype: str
     verify_seconds: dict[int, float]
-    draft_step_s: float
+    drafters: dict[str, dict]  # name -> {"draft": model name or None, "step_s": seconds per draft token}
     k_max: int = 8
-    categories: dict[str, dict] = field(default_factory=dict)  # name -> {alpha, k, expected_speedup}
+    # name -> {"alpha": {drafter: α}, "drafter": best drafter, "k": its k (0 = off), "expected_speedup"}
+    categories: dict[str, dict] = field(default_factory=dict)
 
-    @property
-    def costs(self) -> CostModel:
-        return cost_model(self.verify_seconds, self.draft_step_s)
+    def costs(self, drafter: str) -> CostModel:
+        return cost_model(self.verify_seconds, self.drafters[drafter]["step_s"])
 
-    def decide(self, category: str, alpha: float) -> dict:
-        k, speedup = best_k(alpha, self.costs, self.k_max)
-        self.categories[category] = {"alpha": round(alpha, 4), "k": k, "expected_speedup": round(speedup, 3)}
+    def decide(self, category: str, alphas: dict[str, float]) -> dict:
+        """Per category, the drafter and k that maximise expected speedup (k = 0: off)."""
+        options = {name: best_k(alpha, self.costs(name), self.k_max) for name, alpha in alphas.items()}
+        name = max(options, key=lambda n: options[n][1])
+        k, speedup = options[name]
+        self.categories[category] = {"alpha": {n: round(a, 4) for n, a in alphas.items()}, "drafter": name,
+                                     "k": k, "expected_speedup": round(speedup, 3)}
         return self.categories[category]
 
-    def overall_alpha(self) -> float:
-        alphas = [c["alpha"] for c in self.categories.values()]
-        return statistics.mean(alphas) if alphas else 0.6
-
-    def policy(self, category: str | None = None) -> AdaptiveK:
-        """An adaptive policy seeded with this profile's costs and the category's α."""
+    def choose(self, category: str | None = None, drafter: str | None = None) -> tuple[str, AdaptiveK]:
+        """(drafter, adaptive policy seeded with its costs and α) for a category, or for
+        prompts of unknown kind (α averaged over the categories). `drafter` overrides the
+        profile's pick."""
         if category is not None and category not in self.categories:
             raise SpecDecodeError(f"the profile has no category {category!r}; it has {', '.join(self.categories)}")
-        alpha = self.categories[category]["alpha"] if category else self.overall_alpha()
-        return AdaptiveK(self.costs, k_max=self.k_max, prior_alpha=alpha)
+        if drafter is not None and drafter not in self.drafters:
+            raise SpecDecodeError(f"the profile measured {', '.join(self.drafters)}, not {drafter!r}; "
+                                  "run `specdecode tune` with it")
+        chosen = self.categories.values() if category is None else [self.categories[category]]
+        alphas = {name: statistics.mean(c["alpha"][name] for c in chosen) if chosen else 0.6
+                  for name in self.drafters}
+        if drafter is None:
+            drafter = max(alphas, key=lambda n: best_k(alphas[n], self.costs(n), self.k_max)[1])
+        return drafter, AdaptiveK(self.costs(drafter), k_max=self.k_max, prior_alpha=alphas[drafter])
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -118,7 +132,8 @@ class Profile:
         except FileNotFoundError:
             raise SpecDecodeError(f"no profile at {path}; `specdecode tune` writes one") from None
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SpecDecodeError(f"{path} is not a specdecode profile: {e}") from None
+            raise SpecDecodeError(f"{path} is not a specdecode profile (or one from an older version; "
+                                  f"run `specdecode tune` again): {e}") from None
 
 
 def drafter_step_seconds(drafter, context: int = 256, repeats: int = 5) -> float:
@@ -132,9 +147,9 @@ def drafter_step_seconds(drafter, context: int = 256, repeats: int = 5) -> float
     return (time.perf_counter() - started) / (repeats * 8)
 
 
-def run_tune(target_name: str, drafter_kind: str | None, draft_name: str | None, questions, max_new_tokens: int = 64,
-             probe_k: int = 8, k_max: int = 8, log=print) -> Profile:
-    """Measure costs and per-category acceptance; return the profile (not yet saved)."""
+def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None, questions,
+             max_new_tokens: int = 64, probe_k: int = 8, k_max: int = 8, log=print) -> Profile:
+    """Measure costs and per-category acceptance of each drafter; return the profile (not yet saved)."""
     from tqdm import tqdm
 
     from .api import load_model, make_drafter
@@ -143,38 +158,42 @@ def run_tune(target_name: str, drafter_kind: str | None, draft_name: str | None,
     from .prompts import encode_prompt
     from .stopping import StopCondition
 
+    if not drafter_names:
+        raise SpecDecodeError("tune needs at least one drafter (--drafters)")
     target = load_model(target_name)
-    drafter = make_drafter(target, drafter_kind, draft_name, None)
-    if drafter is None:
-        raise SpecDecodeError("tune needs a drafter: --draft NAME or --drafter prompt-lookup")
-    log("measuring the target's pass over n = 1..64 tokens and the drafter's step")
-    profile = Profile(target_name, drafter.name, draft_name if drafter.name == "draft-model" else None,
-                      str(target.model.dtype).removeprefix("torch."), measure_verify_curve(target.model),
-                      drafter_step_seconds(drafter), k_max=k_max)
+    drafters = {name: make_drafter(target, name, draft_name if name == "draft-model" else None, None)
+                for name in drafter_names}
+    log("measuring the target's pass over n = 1..64 tokens and each drafter's step")
+    profile = Profile(target_name, str(target.model.dtype).removeprefix("torch."), measure_verify_curve(target.model),
+                      {name: {"draft": draft_name if name == "draft-model" else None,
+                              "step_s": drafter_step_seconds(d)} for name, d in drafters.items()}, k_max=k_max)
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     by_category: dict[str, list] = {}
     for q in questions:
         by_category.setdefault(q.category, []).append(q)
-    bar = tqdm(total=len(questions), desc="acceptance", unit="prompt")
+    bar = tqdm(total=len(questions) * len(drafters), desc="acceptance", unit="run")
     for category, qs in by_category.items():
-        drafted, accepted = [], []
-        for q in qs:
-            bar.set_postfix_str(category)
-            prompt_ids = encode_prompt(target.tokenizer, q.turns[0])
-            for event in decode(target.model, prompt_ids, stop, drafter=drafter, k=probe_k):
-                if isinstance(event, Round) and event.num_drafted:
-                    drafted.append(event.num_drafted)
-                    accepted.append(event.num_accepted)
-            bar.update()
-        choice = profile.decide(category, alpha_mle(drafted, accepted))
-        log(f"{category}: α {choice['alpha']:.2f} -> k = {choice['k'] or 'off'}, "
-            f"expected {choice['expected_speedup']:.2f}x")
+        alphas = {}
+        for name, drafter in drafters.items():
+            drafted, accepted = [], []
+            for q in qs:
+                bar.set_postfix_str(f"{category} / {name}")
+                prompt_ids = encode_prompt(target.tokenizer, q.turns[0])
+                rounds = [e for e in decode(target.model, prompt_ids, stop, drafter=drafter, k=probe_k)
+                          if isinstance(e, Round)][1:-1]  # not the prefill, nor the last (budget-cut) round
+                drafted += [r.num_drafted for r in rounds]
+                accepted += [r.num_accepted for r in rounds]
+                bar.update()
+            alphas[name] = alpha_mle(drafted, accepted)
+        choice = profile.decide(category, alphas)
+        log(f"{category}: α " + ", ".join(f"{n} {a:.2f}" for n, a in alphas.items())
+            + f" -> {choice['drafter']} k = {choice['k'] or 'off'}, expected {choice['expected_speedup']:.2f}x")
     bar.close()
     return profile
 
 
-def default_profile_path(target_name: str, drafter_name: str, draft_name: str | None) -> Path:
+def default_profile_path(target_name: str, draft_name: str | None) -> Path:
     from .models.store import home
 
-    name = f"{target_name}+{draft_name or drafter_name}".replace("/", "_")
+    name = f"{target_name}+{draft_name or 'prompt-lookup'}".replace("/", "_")
     return home() / "profiles" / f"{name}.json"

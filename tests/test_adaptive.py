@@ -90,23 +90,37 @@ def test_adaptive_in_the_engine_keeps_output_and_mostly_stops_drafting(tiny_llam
     assert drafting <= 0.3 * len(rounds)
 
 
-def test_alpha_mle_counts_one_rejection_per_short_round():
+def test_alpha_mle_counts_one_rejection_per_short_or_empty_round():
     assert alpha_mle([4, 4, 4], [4, 1, 0]) == pytest.approx(5 / 7)
+    assert alpha_mle([4, 0], [4, 0]) == pytest.approx(4 / 5)  # nothing drafted: like a first rejection
     assert alpha_mle([], []) == 0.0
 
 
-def test_profile_round_trip_and_policy(tmp_path):
+def test_profile_chooses_drafter_and_k_per_category_and_round_trips(tmp_path):
     verify = {1: 0.10, 2: 0.101, 4: 0.103, 8: 0.11, 16: 0.13}
-    profile = Profile("t", "draft-model", "d", "bfloat16", verify, draft_step_s=0.03)
-    assert profile.costs.verify_ratios[2] == pytest.approx(1.02)  # n = 3, between 2 and 4
-    assert profile.costs.draft_ratio == pytest.approx(0.3)
-    assert profile.decide("code", 0.9)["k"] >= 3
-    assert profile.decide("prose", 0.1)["k"] == 0
+    drafters = {"draft-model": {"draft": "d", "step_s": 0.03}, "prompt-lookup": {"draft": None, "step_s": 0.0}}
+    profile = Profile("t", "bfloat16", verify, drafters)
+    assert profile.costs("draft-model").verify_ratios[2] == pytest.approx(1.02)  # n = 3, between 2 and 4
+    assert profile.costs("draft-model").draft_ratio == pytest.approx(0.3)
+    # the model is accepted far more often on code, but lookup is free and copies the edit
+    code = profile.decide("code", {"draft-model": 0.9, "prompt-lookup": 0.3})
+    edit = profile.decide("edit", {"draft-model": 0.9, "prompt-lookup": 0.8})
+    prose = profile.decide("prose", {"draft-model": 0.1, "prompt-lookup": 0.0})
+    assert (code["drafter"], edit["drafter"]) == ("draft-model", "prompt-lookup")
+    assert code["k"] >= 3 and edit["k"] >= 6 and prose["k"] == 0
+    assert edit["expected_speedup"] > code["expected_speedup"] > 1 == prose["expected_speedup"]
     loaded = Profile.load(profile.save(tmp_path / "p.json"))
     assert loaded == profile
-    assert loaded.policy("code").prior_alpha == 0.9
+    name, policy = loaded.choose("code")
+    assert name == "draft-model" and policy.prior_alpha == 0.9 and policy.costs.draft_ratio == pytest.approx(0.3)
+    name, policy = loaded.choose("code", drafter="prompt-lookup")
+    assert name == "prompt-lookup" and policy.prior_alpha == 0.3
+    name, policy = loaded.choose()  # unknown kind: mean α, 0.37 for lookup beats 0.63 at c = 0.3
+    assert name == "prompt-lookup" and policy.prior_alpha == pytest.approx(1.1 / 3)
     with pytest.raises(SpecDecodeError, match="no category"):
-        loaded.policy("poetry")
+        loaded.choose("poetry")
+    with pytest.raises(SpecDecodeError, match="measured"):
+        loaded.choose("code", drafter="medusa")
     with pytest.raises(SpecDecodeError, match="no profile"):
         Profile.load(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{}")

@@ -7,6 +7,7 @@ import pytest
 from specdecode.bench import run_bench
 from specdecode.report import write_report
 from specdecode.suites import Question
+from specdecode.tune import Profile
 
 
 @pytest.mark.real
@@ -15,11 +16,19 @@ def test_bench_writes_rows_report_and_plots(tmp_path):
         Question("1", "code-edit", ("Add type hints: def area(width, height):\n    return width * height",)),
         Question("2", "chat", ("Name a colour.", "Now name another one.")),  # multi-turn
     ]
-    result = run_bench(questions, "smollm2-135m-instruct", None, ("prompt-lookup",), lookup_k=3,
-                       max_new_tokens=8, repeats=1, peers=False, log=lambda _: None)
+    # a profile that picks the draft model (here the target itself) for chat, lookup for edits
+    profile = Profile("smollm2-135m-instruct", "bfloat16", {1: 0.02, 4: 0.021, 8: 0.022},
+                      {"draft-model": {"draft": "smollm2-135m-instruct", "step_s": 0.01},
+                       "prompt-lookup": {"draft": None, "step_s": 0.0}})
+    profile.decide("chat", {"draft-model": 0.9, "prompt-lookup": 0.1})
+    profile.decide("code-edit", {"draft-model": 0.5, "prompt-lookup": 0.7})
+    result = run_bench(questions, "smollm2-135m-instruct", "smollm2-135m-instruct", ("prompt-lookup", "tuned"),
+                       lookup_k=3, max_new_tokens=8, repeats=1, peers=False, profile=profile, log=lambda _: None)
     assert result["prompts"] == 3  # the second question's two turns are two prompts
     rows = {(r["category"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {(c, m) for c in ("code-edit", "chat") for m in ("plain", "prompt-lookup")}
+    assert set(rows) == {(c, m) for c in ("code-edit", "chat") for m in ("plain", "prompt-lookup", "tuned")}
+    # the draft model (the target itself) drafts at a cost; prompt lookup almost for free
+    assert rows["chat", "tuned"]["time_split"]["draft"] > 10 * rows["code-edit", "tuned"]["time_split"]["draft"]
     for row in result["rows"]:
         assert row["identical_to_plain"] is True
         assert row["speedup"] > 0 and row["tokens_per_s"] > 0

@@ -142,11 +142,11 @@ def test_adaptive_k_and_profiles_keep_greedy_output(tmp_path):
     options = dict(max_new_tokens=32, target="smollm2-135m-instruct")
     plain = specdecode.generate(prompt, **options)
     auto = specdecode.generate(prompt, drafter="prompt-lookup", k="auto", **options)
-    profile = Profile("smollm2-135m-instruct", "prompt-lookup", None, "bfloat16",
-                      {1: 0.02, 4: 0.021, 8: 0.022}, draft_step_s=0.0001)
-    profile.decide("code-edit", 0.7)
+    profile = Profile("smollm2-135m-instruct", "bfloat16", {1: 0.02, 4: 0.021, 8: 0.022},
+                      {"prompt-lookup": {"draft": None, "step_s": 0.0001}})
+    profile.decide("code-edit", {"prompt-lookup": 0.7})
     path = profile.save(tmp_path / "profile.json")
-    tuned = specdecode.generate(prompt, drafter="prompt-lookup", profile=str(path), category="code-edit", **options)
+    tuned = specdecode.generate(prompt, profile=str(path), category="code-edit", **options)
     assert auto.token_ids == plain.token_ids == tuned.token_ids
     assert auto.stats.draft_tokens > 0 and tuned.stats.draft_tokens > 0
     with pytest.raises(SpecDecodeError, match="not both"):

@@ -121,6 +121,9 @@ class NativeModel:
         self.norm = w("model.norm.weight")
         head = weights.pop("lm_head.weight", None) if not c.tie_word_embeddings else None
         self.lm_head = Linear(self.embed if head is None else head.to(dtype))
+        # The plain matrix, for training drafter heads through it (tied models only: an
+        # untied head lives packed, and training reads it from the weights file instead).
+        self.lm_head_weight = self.embed if head is None else None
         self._inv_freq = rope_inv_freq(c)
         self._cos = self._sin = torch.empty(0, c.head_dim)
 

@@ -1,0 +1,60 @@
+"""Run documents through the frozen target: its hidden states and its own predictions.
+
+For every position t of every document the target's hidden state at the chosen layers
+and its label: the target's argmax at t, the token it would emit after position t.
+Documents are run one per pass (a fresh cache each), so nothing crosses a document's
+end; `doc_ids` says which position belongs to which document.
+
+Features are saved as one safetensors file, so an interrupted training resumes without
+running the target again (`train medusa` writes them into its work folder first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@dataclass
+class Features:
+    tokens: torch.Tensor  # (T,) long, the input tokens
+    labels: torch.Tensor  # (T,) long, the target's argmax after each position
+    doc_ids: torch.Tensor  # (T,) long
+    hidden: dict[int, torch.Tensor]  # layer -> (T, H) bf16
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def save(self, path: Path) -> None:
+        tensors = {"tokens": self.tokens, "labels": self.labels, "doc_ids": self.doc_ids}
+        tensors |= {f"hidden.{layer}": h.contiguous() for layer, h in self.hidden.items()}
+        partial = path.with_name(path.name + ".partial")
+        save_file(tensors, partial)
+        partial.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> "Features":
+        t = load_file(path)
+        hidden = {int(name.split(".")[1]): v for name, v in t.items() if name.startswith("hidden.")}
+        return cls(t["tokens"], t["labels"], t["doc_ids"], hidden)
+
+
+def collect(model, documents: list[list[int]], layers: tuple[int, ...], progress=None) -> Features:
+    """Teacher-forced passes over each document; progress(num_tokens) after each."""
+    tokens, labels, doc_ids, hidden = [], [], [], {layer: [] for layer in layers}
+    for index, doc in enumerate(documents):
+        ids = torch.tensor([doc])
+        cache = model.new_cache(1, len(doc))
+        out = model(ids, cache, hidden_layers=layers)
+        tokens.append(ids[0])
+        labels.append(out.logits[0].argmax(dim=-1))
+        doc_ids.append(torch.full((len(doc),), index))
+        for layer in layers:
+            hidden[layer].append(out.hidden_states[layer][0].to(torch.bfloat16))
+        if progress:
+            progress(len(doc))
+    return Features(torch.cat(tokens), torch.cat(labels), torch.cat(doc_ids),
+                    {layer: torch.cat(h) for layer, h in hidden.items()})

@@ -1,0 +1,238 @@
+"""`specdecode train medusa`: train Medusa heads on a frozen target, by self-distillation.
+
+1. Text (corpus.py) goes through the frozen target once (features.py): final hidden
+   states and the target's own argmax after each position.
+2. Head i at position t learns the target's prediction at t+1+i (its label there), from
+   the hidden state at t: cross-entropy through the target's LM head. The softmax runs
+   over the vocabulary that occurs among the labels (tens of thousands of rows instead of
+   the whole table: the LM head is most of the cost on this CPU); candidates at run time
+   come from the full LM head.
+3. Documents are split 19:1 into training and held-out; the held-out loss is reported
+   before and after, and the held-out top-rank accuracy of each head, conditioned on the
+   earlier heads having their label among their top ranks, goes into the artifact: it
+   chooses the tree (tree_shapes.py) with the verify cost measured on this machine.
+
+Resumable: the features and a checkpoint (heads, optimizer, step) live in a work folder
+beside the artifact; a rerun with the same settings continues where it stopped. The
+artifact is written only at the end, by rename.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import medusa
+from ..tree_shapes import choose_tree
+from .features import Features
+
+MAX_TREE_NODES = 10  # root + 10 nodes = 11 rows: the packed bf16 product stays row-invariant (linear.py)
+TOP_RANKS = 4
+
+
+@dataclass
+class TrainConfig:
+    num_heads: int = 3
+    epochs: float = 2.0
+    batch_size: int = 256
+    lr: float = 1e-3
+    seed: int = 0
+    checkpoint_every: int = 50
+
+
+def head_labels(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels (T, K), valid (T, K)): head i at t learns the label at t+1+i, same document."""
+    T = len(features)
+    labels = torch.zeros(T, num_heads, dtype=torch.long)
+    valid = torch.zeros(T, num_heads, dtype=torch.bool)
+    for i in range(num_heads):
+        shift = i + 1
+        if shift >= T:
+            break
+        labels[:T - shift, i] = features.labels[shift:]
+        valid[:T - shift, i] = features.doc_ids[shift:] == features.doc_ids[:T - shift]
+    return labels, valid
+
+
+def split(features: Features, held_out_every: int = 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position indices (train, held-out): every 20th document is held out."""
+    held = features.doc_ids % held_out_every == held_out_every - 1
+    if not held.any():  # too few documents: hold out the last 5% of positions instead
+        held = torch.arange(len(features)) >= int(len(features) * 0.95)
+    return (~held).nonzero()[:, 0], held.nonzero()[:, 0]
+
+
+def head_loss(heads, hidden, labels, valid, vocab_weight, vocab_index) -> torch.Tensor:
+    """Mean cross-entropy of every valid (position, head) over the reduced vocabulary."""
+    features = heads(hidden.float())  # (K, B, H)
+    logits = features @ vocab_weight.T  # (K, B, Vr)
+    targets = vocab_index[labels.T]  # (K, B) rows of the reduced vocabulary
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    mask = valid.T.flatten().float()
+    return (loss * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+@torch.no_grad()
+def evaluate(heads, hidden, labels, valid, vocab_weight, vocab_index, batch: int = 1024) -> float:
+    losses, weights = [], []
+    for start in range(0, hidden.shape[0], batch):
+        sl = slice(start, start + batch)
+        n = valid[sl].sum().item()
+        if n:
+            losses.append(head_loss(heads, hidden[sl], labels[sl], valid[sl], vocab_weight, vocab_index).item() * n)
+            weights.append(n)
+    return sum(losses) / max(1, sum(weights))
+
+
+@torch.no_grad()
+def rank_accuracy(heads, target, hidden, labels, valid, top: int = TOP_RANKS) -> list[list[float]]:
+    """accuracy[i][r]: P(head i's rank-r candidate is its label | heads before i had theirs
+    in their top ranks), from the target's full LM head, on held-out positions."""
+    features = heads(hidden.float()).to(target.dtype)  # (K, B, H)
+    ranked = torch.stack([target.lm_head(f).topk(top, dim=-1).indices for f in features])  # (K, B, top)
+    hits = ranked == labels.T[:, :, None]  # (K, B, top)
+    accuracy, reach = [], valid[:, 0].clone()
+    for i in range(heads.num_heads):
+        reach &= valid[:, i]
+        n = max(1, int(reach.sum()))
+        accuracy.append([round(float(hits[i, reach, r].sum()) / n, 4) for r in range(top)])
+        reach &= hits[i].any(dim=-1)
+    return accuracy
+
+
+def train(target, features: Features, lm_weight: torch.Tensor, config: TrainConfig, work: Path,
+          log=print) -> tuple[medusa.MedusaHeads, dict]:
+    """Train heads on the features; resumes from work/checkpoint.pt. Returns (heads, record)."""
+    from tqdm import tqdm
+
+    layer = max(features.hidden)
+    hidden = features.hidden[layer]
+    labels, valid = head_labels(features, config.num_heads)
+    train_idx, held_idx = split(features)
+    vocab = torch.unique(features.labels)
+    vocab_index = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
+    vocab_index[vocab] = torch.arange(vocab.numel())
+    vocab_weight = lm_weight[vocab].float()  # (Vr, H)
+
+    torch.manual_seed(config.seed)
+    heads = medusa.MedusaHeads(config.num_heads, hidden.shape[-1])
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, weight_decay=0.0)
+    steps_per_epoch = max(1, len(train_idx) // config.batch_size)
+    total_steps = max(1, int(config.epochs * steps_per_epoch))
+    order = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed))
+    step, record = 0, {}
+    checkpoint = work / "checkpoint.pt"
+    if checkpoint.is_file():
+        state = torch.load(checkpoint)
+        if state["config"] == config.__dict__ and state["tokens"] == len(features):
+            heads.load_state_dict(state["heads"])
+            optimizer.load_state_dict(state["optimizer"])
+            step, record = state["step"], state["record"]
+            log(f"resuming from step {step} of {total_steps}")
+    held = (hidden[held_idx], labels[held_idx], valid[held_idx])
+    if "held_out_loss_before" not in record:
+        record["held_out_loss_before"] = round(evaluate(heads, *held, vocab_weight, vocab_index), 4)
+
+    started = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=step, desc="train medusa", unit="step")
+    while step < total_steps:
+        lr = config.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))  # cosine decay
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        offset = (step % steps_per_epoch) * config.batch_size
+        batch = train_idx[order[offset:offset + config.batch_size]]
+        loss = head_loss(heads, hidden[batch], labels[batch], valid[batch], vocab_weight, vocab_index)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % config.checkpoint_every == 0 or step == total_steps:
+            _save_checkpoint(checkpoint, heads, optimizer, step, record, config, len(features))
+    bar.close()
+    heads.eval()
+    record |= {"held_out_loss_after": round(evaluate(heads, *held, vocab_weight, vocab_index), 4),
+               "steps": total_steps, "train_positions": len(train_idx), "held_out_positions": len(held_idx),
+               "reduced_vocab": vocab.numel(), "seconds_this_run": round(time.perf_counter() - started, 1)}
+    sample = held_idx[:4096]
+    record["accuracy"] = rank_accuracy(heads, target, hidden[sample], labels[sample], valid[sample])
+    return heads, record
+
+
+def _save_checkpoint(path: Path, heads, optimizer, step, record, config, tokens) -> None:
+    partial = path.with_name(path.name + ".partial")
+    torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "record": record, "config": config.__dict__, "tokens": tokens}, partial)
+    partial.replace(path)
+
+
+def pick_tree(target, heads, accuracy, log=print) -> tuple[list[tuple[int, ...]], float]:
+    """The tree for these heads on this machine: measured verify cost and draft cost."""
+    from ..tune import cost_model, measure_verify_curve
+
+    verify = measure_verify_curve(target, sizes=tuple(range(1, MAX_TREE_NODES + 2)), repeats=3)
+    draft_s = _time_draft(target, heads)
+    costs = cost_model(verify, draft_s)
+    paths, speedup = choose_tree(accuracy, costs.verify_ratios, costs.draft_ratio, MAX_TREE_NODES)
+    log(f"tree of {len(paths)} nodes, expected {speedup:.2f}x (draft {costs.draft_ratio:.3f} of a step)")
+    return paths, speedup
+
+
+def _time_draft(target, heads, repeats: int = 5) -> float:
+    hidden = torch.randn(1, heads.weight.shape[-1])
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            target.lm_head(heads(hidden)[:, 0].to(target.dtype)).topk(TOP_RANKS, dim=-1)
+            times.append(time.perf_counter() - started)
+    return sorted(times[1:])[repeats // 2]
+
+
+def lm_head_weight(target) -> torch.Tensor:
+    """The target's LM head as a plain matrix (tied: the embeddings; else from the file)."""
+    if target.model.lm_head_weight is not None:
+        return target.model.lm_head_weight
+    from safetensors import safe_open
+
+    for path in sorted(Path(target.info.folder).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            if "lm_head.weight" in f.keys():
+                return f.get_tensor("lm_head.weight")
+    raise FileNotFoundError(f"no lm_head.weight in {target.info.folder}")
+
+
+def run_train_medusa(target_name: str, num_heads: int = 3, num_tokens: int = 100_000, num_answers: int = 24,
+                     answer_tokens: int = 128, epochs: float = 2.0, out: str | Path | None = None,
+                     log=print) -> Path:
+    """Everything `specdecode train medusa` does; returns the artifact folder."""
+    from ..api import load_model
+    from ..errors import SpecDecodeError
+    from .data import training_features
+
+    if num_heads < 1 or num_tokens < 0 or num_answers < 0 or epochs <= 0:
+        raise SpecDecodeError("--heads, --tokens, --answers and --epochs must be positive")
+    target = load_model(target_name)
+    if not hasattr(target.model, "lm_head_weight"):
+        raise SpecDecodeError("Medusa heads need the native backend (a Llama-family target)")
+    folder = Path(out) if out else medusa.default_dir(target.info.folder)
+    work = folder.with_name(folder.name + ".work")
+    layer = target.model.config.num_layers
+    features = training_features(target, (layer,), num_tokens, num_answers, answer_tokens, work, log)
+    log(f"{len(features)} positions of target features")
+    config = TrainConfig(num_heads=num_heads, epochs=epochs)
+    heads, record = train(target.model, features, lm_head_weight(target), config, work, log)
+    log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
+        f"top-1 accuracy by head {[a[0] for a in record['accuracy']]}")
+    paths, speedup = pick_tree(target.model, heads, record["accuracy"], log)
+    record["expected_speedup"] = round(speedup, 3)
+    accuracy = record.pop("accuracy")
+    artifact = medusa.MedusaConfig(target_name, target.info.sha256, heads.weight.shape[-1], num_heads,
+                                   accuracy, [list(p) for p in paths], record)
+    return medusa.save(folder, heads, artifact)

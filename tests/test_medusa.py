@@ -1,0 +1,112 @@
+"""Medusa: heads, artifact, training on a tiny model, and exact decoding with its trees."""
+
+import pytest
+import torch
+
+from specdecode import medusa
+from specdecode.drafters.medusa import MedusaDrafter
+from specdecode.engine import decode
+from specdecode.events import collect
+from specdecode.models.native import NativeModel
+from specdecode.stopping import StopCondition
+from specdecode.training.features import Features, collect as collect_features
+from specdecode.training.medusa import TrainConfig, head_labels, train
+from specdecode.tree_shapes import choose_tree, expected_tokens_of_tree, grow_tree
+
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
+
+
+def random_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> medusa.MedusaHeads:
+    heads = medusa.MedusaHeads(num_heads, hidden_size)
+    with torch.no_grad():
+        heads.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+    return heads.requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_medusa_tree_decoding_is_identical_to_plain_greedy(tiny_llama, dtype):
+    model = NativeModel.from_folder(tiny_llama, dtype)
+    stop = StopCondition(frozenset(), max_new_tokens=40)
+    for seed in range(3):
+        prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain, _ = collect(decode(model, prompt, stop))
+        drafter = MedusaDrafter(model, random_heads(64, seed=seed), TREE)
+        tokens, done = collect(decode(model, prompt, stop, drafter=drafter))
+        assert tokens == plain
+        assert done.stats.rounds < len(plain)  # the heads' trees were accepted sometimes
+        assert max(done.stats.drafted_at and [len(done.stats.drafted_at)]) <= 4
+
+
+def test_medusa_sampling_keeps_the_stream_valid_and_seeded(tiny_llama):
+    from specdecode.sampling import SamplingConfig
+
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    stop = StopCondition(frozenset(), max_new_tokens=30)
+    drafter = MedusaDrafter(model, random_heads(64), TREE)
+    runs = [collect(decode(model, [1, 2, 3], stop, SamplingConfig(temperature=0.8), drafter,
+                           generator=torch.Generator().manual_seed(7)))[0] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 30
+
+
+def tiny_features(model, num_docs=40, length=48, seed=0) -> Features:
+    """Documents of a fixed "grammar" (each token followed by perm[token]): what comes two
+    tokens later is predictable from the current one, as in real text (and unlike i.i.d.
+    random tokens); held-out documents start elsewhere but follow the same grammar."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(96, generator=g)
+    docs = []
+    for start in torch.randint(0, 96, (num_docs,), generator=g).tolist():
+        doc = [start]
+        while len(doc) < length:
+            doc.append(int(perm[doc[-1]]))
+        docs.append(doc)
+    return collect_features(model, docs, (model.config.num_layers,))
+
+
+def test_head_labels_stay_inside_a_document():
+    f = Features(torch.arange(6), torch.tensor([10, 11, 12, 13, 14, 15]), torch.tensor([0, 0, 0, 1, 1, 1]), {})
+    labels, valid = head_labels(f, 2)
+    assert labels[:, 0].tolist()[:5] == [11, 12, 13, 14, 15] and labels[:, 1].tolist()[:4] == [12, 13, 14, 15]
+    assert valid[:, 0].tolist() == [True, True, False, True, True, False]
+    assert valid[:, 1].tolist() == [True, False, False, True, False, False]
+
+
+def test_training_reduces_held_out_loss_and_resumes(tiny_llama, tmp_path):
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    features = tiny_features(model)
+    from safetensors.torch import load_file
+
+    lm_weight = load_file(f"{tiny_llama}/model.safetensors")["lm_head.weight"]
+    config = TrainConfig(num_heads=2, epochs=6, batch_size=64, lr=3e-3, checkpoint_every=5)
+    heads, record = train(model, features, lm_weight, config, tmp_path, log=lambda _: None)
+    assert record["held_out_loss_after"] < 0.8 * record["held_out_loss_before"]
+    assert len(record["accuracy"]) == 2 and all(0 <= a <= 1 for row in record["accuracy"] for a in row)
+    # a rerun with the same settings finds the finished checkpoint and does no more steps
+    again, record2 = train(model, features, lm_weight, config, tmp_path, log=lambda _: None)
+    assert torch.equal(again.weight, heads.weight) and record2["held_out_loss_after"] == record["held_out_loss_after"]
+
+
+def test_artifact_round_trip_and_missing_heads(tmp_path):
+    heads = random_heads(16, num_heads=2)
+    config = medusa.MedusaConfig("t", "abc", 16, 2, [[0.5, 0.1], [0.3, 0.1]], [[0], [0, 0]], {"steps": 1})
+    loaded, loaded_config = medusa.load(medusa.save(tmp_path / "m", heads, config))
+    assert loaded_config == config
+    assert torch.equal(loaded.weight, heads.weight.to(torch.bfloat16).float())
+    assert not list((tmp_path / "m").glob("*.partial"))
+    from specdecode.errors import SpecDecodeError
+    with pytest.raises(SpecDecodeError, match="no Medusa heads"):
+        medusa.load(tmp_path / "nothing")
+
+
+def test_tree_shape_grows_best_first_and_pays_for_its_cost():
+    accuracy = [[0.6, 0.2, 0.1], [0.5, 0.25, 0.1], [0.4, 0.1, 0.05]]
+    grown = grow_tree(accuracy, 5)
+    assert grown == [(0,), (0, 0), (1,), (0, 1), (0, 0, 0)]  # 0.6, 0.3, 0.2, 0.15, 0.12
+    assert expected_tokens_of_tree(grown, accuracy) == pytest.approx(1 + 0.6 + 0.3 + 0.2 + 0.15 + 0.12)
+    flat = [1.0] * 12
+    paths, speedup = choose_tree(accuracy, flat, 0.05, 10)
+    assert len(paths) == 10 and speedup > 1  # verifying more is free: take every node offered
+    steep = [1.0 + 0.3 * n for n in range(12)]
+    paths, _ = choose_tree(accuracy, steep, 0.05, 10)
+    assert len(paths) <= 2  # each extra node costs 30% of a step: only the likeliest pay
+    assert choose_tree([[0.01]], steep, 0.5, 10) == ([], 1.0)  # nothing pays: off
