@@ -22,6 +22,7 @@ import torch
 from .adaptive import AdaptiveK, CostModel
 from . import medusa
 from .drafters import DraftModel, PromptLookup, check_same_tokenizer
+from .drafters.draft_tree import DraftTree
 from .drafters.medusa import MedusaDrafter
 from .engine import decode
 from .errors import SpecDecodeError
@@ -34,7 +35,10 @@ from .tune import Profile
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-DRAFTERS = ("draft-model", "prompt-lookup", "medusa")
+DRAFTERS = ("draft-model", "prompt-lookup", "medusa", "draft-tree")
+# Top-2 at the first two depths, then top-1: 10 candidates, which with the root is the most
+# rows a bf16 verify pass keeps row-invariant (models/linear.py).
+DEFAULT_TREE_WIDTHS = (2, 2, 1)
 # Measured with `specdecode bench` on the Qwen pair (README): k = 2 was best or within 6% on
 # every kind of prompt, where larger k lost up to 20% on prose.
 DEFAULT_K = {"draft-model": 2, "prompt-lookup": 4}
@@ -91,7 +95,7 @@ def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: s
         drafter = "draft-model"
     if drafter not in DRAFTERS:
         raise SpecDecodeError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-    if draft is not None and drafter != "draft-model":
+    if draft is not None and drafter not in ("draft-model", "draft-tree"):
         raise SpecDecodeError(f"--draft names a draft model; it does not go with the {drafter} drafter")
     if heads is not None and drafter != "medusa":
         raise SpecDecodeError("--heads goes with --drafter medusa")
@@ -99,7 +103,8 @@ def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: s
         return PromptLookup()
     if drafter == "medusa":
         return make_medusa(target, heads)
-    return make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
+    draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
+    return DraftTree(draft_model, DEFAULT_TREE_WIDTHS) if drafter == "draft-tree" else draft_model
 
 
 def make_medusa(target: Model, heads: str | None = None) -> MedusaDrafter:
@@ -120,6 +125,9 @@ def plan(target: Model, drafter: str | None, draft: str | None, k: int | str | N
         if k is not None:
             raise SpecDecodeError("pass --k or --profile, not both: the profile chooses k")
         tuned = Profile.load(profile)
+        if drafter not in (None, *tuned.drafters):
+            raise SpecDecodeError(f"the profile measured {', '.join(tuned.drafters)}; pass --profile or "
+                                  f"--drafter {drafter}, not both")
         name, policy = tuned.choose(category, drafter or ("draft-model" if draft else None))
         if name == "draft-model":
             draft = draft or tuned.drafters[name]["draft"]

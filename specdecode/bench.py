@@ -6,7 +6,7 @@ method B, ..., peers; then again) after a warm-up, and the median of the repeats
 lookup, `adaptive` (the draft model with k chosen per round by adaptive.py from costs
 estimated by model size), `tuned` (per category the drafter a `tune` profile chose, its k
 adaptive from the profile's measured costs and α), `medusa` (the target's trained heads
-and their tree), and transformers' plain `generate`, `assistant_model=`
+and their tree), `draft-tree` (the draft model's top-2/top-3 candidates as trees), and transformers' plain `generate`, `assistant_model=`
 and `prompt_lookup_num_tokens=` on the same weights, dtype, prompts and budget. Per
 category it reports speedup over our plain decoding (time per output token, summed over
 the category's prompts), α, τ, acceptance by draft position, the time split, the
@@ -36,6 +36,7 @@ import torch
 from .adaptive import AdaptiveK, CostModel, expected_tokens
 from .api import DEFAULT_DRAFT, DEFAULT_TARGET, estimated_draft_ratio, load_model, make_draft_model, make_medusa
 from .drafters import PromptLookup
+from .drafters.draft_tree import DraftTree
 from .engine import decode
 from .errors import SpecDecodeError
 from .events import Stats, collect
@@ -44,7 +45,7 @@ from .sampling import SamplingConfig
 from .stopping import StopCondition
 from .suites import conversation
 
-METHODS = ("draft-model", "prompt-lookup", "adaptive", "tuned", "medusa")
+METHODS = ("draft-model", "prompt-lookup", "adaptive", "tuned", "medusa", "draft-tree")
 
 
 def theoretical_speedup(alpha: float, k: int, plain_step_s: float, draft_step_s: float, verify_s: float) -> float:
@@ -94,11 +95,12 @@ def _transformers(hf_target, max_new_tokens, eos, sampling, seed, **kw):
     return run
 
 
-def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, seed, peers, max_new_tokens):
+def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, seed, peers, max_new_tokens,
+                  tree_widths=((2, 2, 1), (3, 1, 1))):
     methods = [Method("plain", None, _ours(target, stop, sampling, seed))]
     if "tuned" in names and profile is None:
         raise SpecDecodeError("the tuned method needs --profile (from `specdecode tune`)")
-    if "draft-model" in names or "adaptive" in names or (
+    if {"draft-model", "adaptive", "draft-tree"} & set(names) or (
             "tuned" in names and "draft-model" in profile.drafters):
         if draft is None:
             raise SpecDecodeError("the draft-model, adaptive and tuned (with a draft model) methods need --draft")
@@ -112,6 +114,10 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
             def policy():  # a fresh policy per generation
                 return AdaptiveK(CostModel(estimated_draft_ratio(target, drafter)))
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, drafter, policy)))
+        elif name == "draft-tree":  # the draft model's top candidates as trees
+            for widths in tree_widths:
+                methods.append(Method(f"draft-tree {'x'.join(map(str, widths))}", None,
+                                      _ours(target, stop, sampling, seed, DraftTree(drafter, widths), 0)))
         elif name == "medusa":  # the heads trained (or shipped) for the target; its tree is its own
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, make_medusa(target), 0)))
         elif name == "tuned":
@@ -153,7 +159,7 @@ def expand_turns(target, questions, stop) -> list[tuple[str, list[int]]]:
 def run_bench(questions, target_name=DEFAULT_TARGET, draft_name: str | None = DEFAULT_DRAFT,
               methods=("draft-model", "prompt-lookup", "adaptive"), ks=(2, 3, 4), lookup_k=4,
               max_new_tokens=64, repeats=3, temperature=0.0, seed=0, peers=True, profile=None,
-              log=print) -> dict:
+              log=print, tree_widths=((2, 2, 1), (3, 1, 1))) -> dict:
     from tqdm import tqdm
 
     target = load_model(target_name)
@@ -162,7 +168,7 @@ def run_bench(questions, target_name=DEFAULT_TARGET, draft_name: str | None = DE
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     log("loading the methods (and transformers' copies of the weights for the peers)")
     method_list = build_methods(target, draft, methods, ks, lookup_k, profile, stop, sampling, seed, peers,
-                                max_new_tokens)
+                                max_new_tokens, tree_widths)
     prompts = expand_turns(target, questions, stop)
 
     log("warm-up: every method once")

@@ -154,6 +154,8 @@ def add_bench(sub) -> None:
                    help=f"of {','.join(METHODS)} (default: all but medusa; tuned only with --profile)")
     p.add_argument("--k", type=_csv, default=["2", "3", "4"], help="draft lengths for the draft model")
     p.add_argument("--lookup-k", type=int, default=4, help="draft length for prompt lookup")
+    p.add_argument("--tree-widths", type=_csv, default=["2x2x1", "3x1x1"],
+                   help="draft-tree shapes: top-w candidates per depth, e.g. 2x2x1 (at most 10 nodes)")
     add_questions_args(p, default_limit=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -178,17 +180,34 @@ def run_bench_cmd(args) -> int:
         raise SpecDecodeError(f"every k must be >= 1, got {','.join(args.k)}")
     if args.repeats < 1:
         raise SpecDecodeError("--repeats must be >= 1")
+    tree_widths = tuple(_widths(w) for w in args.tree_widths)
     questions = load_questions(args)
     profile = Profile.load(args.profile) if args.profile else None
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     methods = args.methods or [m for m in METHODS if (m != "tuned" or profile is not None) and m != "medusa"
                                and (args.draft or m not in ("draft-model", "adaptive"))]
     result = run_bench(questions, args.target, args.draft or None, tuple(methods), ks, args.lookup_k,
-                       args.max_new_tokens, args.repeats, args.temperature, args.seed, args.peers, profile, log=log)
+                       args.max_new_tokens, args.repeats, args.temperature, args.seed, args.peers, profile, log=log,
+                       tree_widths=tree_widths)
     for path in write_report(result, Path(args.out)):
         log(f"wrote {path}")
     print(table(result))
     return 0
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.split("x"))
+    except ValueError:
+        raise SpecDecodeError(f"a tree shape is widths per depth like 2x2x1, got {text!r}") from None
+    nodes, level = 0, 1
+    for w in widths:
+        level *= w
+        nodes += level
+    if not widths or min(widths) < 1 or nodes > 10:
+        raise SpecDecodeError(f"tree {text}: widths must be >= 1 and give at most 10 nodes (it has {nodes}): "
+                              "more rows would round differently in a bf16 verify pass")
+    return widths
 
 
 def add_tune(sub) -> None:

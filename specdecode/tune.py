@@ -30,22 +30,32 @@ from .errors import SpecDecodeError
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
 
 
-def time_pass(model, num_tokens: int, context: int = 256, repeats: int = 5) -> float:
-    """Median seconds of one forward over num_tokens after `context` cached tokens."""
-    cache = model.new_cache(1, context + num_tokens + 1)
-    model(torch.randint(0, 1000, (1, context)), cache, num_logits=1)
-    tokens = torch.randint(0, 1000, (1, num_tokens))
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        started = time.perf_counter()
-        model(tokens, cache)
-        times.append(time.perf_counter() - started)
-        cache.rewind(num_tokens)
-    return statistics.median(times[1:])
+def measure_passes(models: dict[str, tuple[object, int]], context: int = 256, repeats: int = 7) -> dict[str, float]:
+    """Median seconds of one forward per (name -> (model, num_tokens)) after `context`
+    cached tokens, measured interleaved (every pass once, then again) so that a noisy
+    neighbour slows them all alike and the ratios hold."""
+    caches = {}
+    for name, (model, n) in models.items():
+        key = id(model)
+        if key not in caches:
+            longest = max(m for mod, m in models.values() if mod is model)
+            caches[key] = model.new_cache(1, context + longest + 1)
+            model(torch.randint(0, 1000, (1, context)), caches[key], num_logits=1)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        for name, (model, n) in models.items():
+            cache, tokens = caches[id(model)], torch.randint(0, 1000, (1, n))
+            started = time.perf_counter()
+            model(tokens, cache)
+            times[name].append(time.perf_counter() - started)
+            cache.rewind(n)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
-def measure_verify_curve(model, sizes=VERIFY_SIZES, context: int = 256, repeats: int = 5) -> dict[int, float]:
-    return {n: time_pass(model, n, context, repeats) for n in sizes}
+def measure_verify_curve(model, sizes=VERIFY_SIZES, context: int = 256, repeats: int = 7) -> dict[int, float]:
+    """The target's pass over n tokens, n in sizes, interleaved."""
+    seconds = measure_passes({str(n): (model, n) for n in sizes}, context, repeats)
+    return {n: seconds[str(n)] for n in sizes}
 
 
 def cost_model(verify_seconds: dict[int, float], draft_step_s: float) -> CostModel:
@@ -136,15 +146,23 @@ class Profile:
                                   f"run `specdecode tune` again): {e}") from None
 
 
-def drafter_step_seconds(drafter, context: int = 256, repeats: int = 5) -> float:
-    """Seconds per draft token: a draft model's one-token pass, or a prompt-lookup scan."""
-    if hasattr(drafter, "model"):
-        return time_pass(drafter.model, 1, context, repeats)
-    tokens = torch.randint(0, 1000, (context,)).tolist()
-    started = time.perf_counter()
-    for _ in range(repeats):
-        drafter.propose(tokens, 8)
-    return (time.perf_counter() - started) / (repeats * 8)
+def measure_costs(target, drafters: dict, context: int = 256, repeats: int = 7) -> tuple[dict[int, float], dict]:
+    """(verify seconds by n, seconds per draft token by drafter), the model passes
+    interleaved with the target's; prompt lookup is timed as a scan of the context."""
+    models = {str(n): (target, n) for n in VERIFY_SIZES}
+    models |= {name: (d.model, 1) for name, d in drafters.items() if hasattr(d, "model")}
+    seconds = measure_passes(models, context, repeats)
+    steps = {}
+    for name, drafter in drafters.items():
+        if hasattr(drafter, "model"):
+            steps[name] = seconds[name]
+        else:
+            tokens = torch.randint(0, 1000, (context,)).tolist()
+            started = time.perf_counter()
+            for _ in range(repeats):
+                drafter.propose(tokens, 8)
+            steps[name] = (time.perf_counter() - started) / (repeats * 8)
+    return {n: seconds[str(n)] for n in VERIFY_SIZES}, steps
 
 
 def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None, questions,
@@ -164,9 +182,10 @@ def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None,
     drafters = {name: make_drafter(target, name, draft_name if name == "draft-model" else None, None)
                 for name in drafter_names}
     log("measuring the target's pass over n = 1..64 tokens and each drafter's step")
-    profile = Profile(target_name, str(target.model.dtype).removeprefix("torch."), measure_verify_curve(target.model),
-                      {name: {"draft": draft_name if name == "draft-model" else None,
-                              "step_s": drafter_step_seconds(d)} for name, d in drafters.items()}, k_max=k_max)
+    verify, steps = measure_costs(target.model, drafters)
+    profile = Profile(target_name, str(target.model.dtype).removeprefix("torch."), verify,
+                      {name: {"draft": draft_name if name == "draft-model" else None, "step_s": steps[name]}
+                       for name in drafters}, k_max=k_max)
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     by_category: dict[str, list] = {}
     for q in questions:

@@ -22,11 +22,13 @@ def test_bench_writes_rows_report_and_plots(tmp_path):
                        "prompt-lookup": {"draft": None, "step_s": 0.0}})
     profile.decide("chat", {"draft-model": 0.9, "prompt-lookup": 0.1})
     profile.decide("code-edit", {"draft-model": 0.5, "prompt-lookup": 0.7})
-    result = run_bench(questions, "smollm2-135m-instruct", "smollm2-135m-instruct", ("prompt-lookup", "tuned"),
-                       lookup_k=3, max_new_tokens=8, repeats=1, peers=False, profile=profile, log=lambda _: None)
+    result = run_bench(questions, "smollm2-135m-instruct", "smollm2-135m-instruct",
+                       ("prompt-lookup", "tuned", "medusa", "draft-tree"), lookup_k=3, max_new_tokens=8, repeats=1,
+                       peers=False, profile=profile, log=lambda _: None, tree_widths=((2, 1),))
     assert result["prompts"] == 3  # the second question's two turns are two prompts
     rows = {(r["category"], r["method"]): r for r in result["rows"]}
-    assert set(rows) == {(c, m) for c in ("code-edit", "chat") for m in ("plain", "prompt-lookup", "tuned")}
+    methods = ("plain", "prompt-lookup", "tuned", "medusa", "draft-tree 2x1")
+    assert set(rows) == {(c, m) for c in ("code-edit", "chat") for m in methods}
     # the draft model (the target itself) drafts at a cost; prompt lookup almost for free
     assert rows["chat", "tuned"]["time_split"]["draft"] > 10 * rows["code-edit", "tuned"]["time_split"]["draft"]
     for row in result["rows"]:

@@ -151,3 +151,20 @@ def test_adaptive_k_and_profiles_keep_greedy_output(tmp_path):
     assert auto.stats.draft_tokens > 0 and tuned.stats.draft_tokens > 0
     with pytest.raises(SpecDecodeError, match="not both"):
         specdecode.generate(prompt, drafter="prompt-lookup", k=3, profile=str(path), **options)
+
+
+@pytest.mark.real
+def test_smollm2_medusa_and_draft_tree_greedy_are_identical_to_plain():
+    """Medusa with the heads shipped in the package; SmolLM2 drafting a tree for itself."""
+    import specdecode
+
+    prompt = "Write a Python function that checks whether a number is prime."
+    options = dict(max_new_tokens=48, target="smollm2-135m-instruct")
+    plain = specdecode.generate(prompt, **options)
+    medusa = specdecode.generate(prompt, drafter="medusa", **options)
+    tree = specdecode.generate(prompt, drafter="draft-tree", draft="smollm2-135m-instruct", **options)
+    assert medusa.token_ids == plain.token_ids == tree.token_ids
+    assert medusa.stats.mean_accepted_length > 1.3  # the trained heads are right often enough
+    assert tree.stats.mean_accepted_length > 3.0  # the target drafting for itself: every depth holds
+    with pytest.raises(SpecDecodeError, match="does not apply"):
+        specdecode.generate(prompt, drafter="medusa", k=3, **options)

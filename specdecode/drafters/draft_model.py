@@ -48,12 +48,7 @@ class DraftModel:
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingConfig,
                 generator: torch.Generator | None) -> Proposal:
-        if len(context) + k > self.cache.max_len:
-            self.cache, self.cached = self.model.new_cache(1, max(2 * self.cache.max_len, len(context) + k)), []
-        keep = min(_common_prefix(self.cached, context), len(context) - 1)
-        self.cache.rewind(self.cache.length - keep)
-        self.cached = list(context[:keep])
-        feed = list(context[keep:])
+        feed = self.sync(context, k)
         tokens, probs = [], []
         for _ in range(k):
             logits = self.model(torch.tensor([feed]), self.cache, num_logits=1).logits[0, -1]  # (V_draft,)
@@ -67,6 +62,16 @@ class DraftModel:
             tokens.append(token)
             feed = [token]
         return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
+
+    def sync(self, context: Sequence[int], room: int) -> list[int]:
+        """Rewind the cache to its longest common prefix with the context (always leaving
+        the last context token out) and return the context tokens still to feed."""
+        if len(context) + room > self.cache.max_len:
+            self.cache, self.cached = self.model.new_cache(1, max(2 * self.cache.max_len, len(context) + room)), []
+        keep = min(_common_prefix(self.cached, context), len(context) - 1)
+        self.cache.rewind(self.cache.length - keep)
+        self.cached = list(context[:keep])
+        return list(context[keep:])
 
     def _pad(self, probs: torch.Tensor) -> torch.Tensor:
         extra = self.target_vocab_size - probs.shape[-1]
