@@ -72,7 +72,7 @@ def head_loss(heads, hidden, labels, valid, vocab_weight, vocab_index) -> torch.
     """Mean cross-entropy of every valid (position, head) over the reduced vocabulary."""
     features = heads(hidden.float())  # (K, B, H)
     logits = (features.to(vocab_weight.dtype) @ vocab_weight.T).float()  # (K, B, Vr); bf16 product if bf16
-    targets = vocab_index[labels.T]  # (K, B) rows of the reduced vocabulary
+    targets = vocab_index[labels.T].clamp_min(0)  # (K, B) rows of the reduced vocabulary; invalid ones masked
     loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
     mask = valid.T.flatten().float()
     return (loss * mask).sum() / mask.sum().clamp_min(1.0)
