@@ -20,9 +20,10 @@ from typing import Iterator, Sequence
 import torch
 
 from .adaptive import AdaptiveK, CostModel
-from . import medusa
+from . import eagle, medusa
 from .drafters import DraftModel, PromptLookup, check_same_tokenizer
 from .drafters.draft_tree import DraftTree
+from .drafters.eagle import EagleDrafter
 from .drafters.medusa import MedusaDrafter
 from .engine import decode
 from .errors import SpecDecodeError
@@ -35,7 +36,7 @@ from .tune import Profile
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-DRAFTERS = ("draft-model", "prompt-lookup", "medusa", "draft-tree")
+DRAFTERS = ("draft-model", "prompt-lookup", "medusa", "draft-tree", "eagle")
 # Top-2 at the first two depths, then top-1: 10 candidates, which with the root is the most
 # rows a bf16 verify pass keeps row-invariant (models/linear.py).
 DEFAULT_TREE_WIDTHS = (2, 2, 1)
@@ -97,12 +98,14 @@ def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: s
         raise SpecDecodeError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if draft is not None and drafter not in ("draft-model", "draft-tree"):
         raise SpecDecodeError(f"--draft names a draft model; it does not go with the {drafter} drafter")
-    if heads is not None and drafter != "medusa":
-        raise SpecDecodeError("--heads goes with --drafter medusa")
+    if heads is not None and drafter not in ("medusa", "eagle"):
+        raise SpecDecodeError("--heads/--head goes with --drafter medusa or eagle")
     if drafter == "prompt-lookup":
         return PromptLookup()
     if drafter == "medusa":
         return make_medusa(target, heads)
+    if drafter == "eagle":
+        return make_eagle(target, heads)
     draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
     return DraftTree(draft_model, DEFAULT_TREE_WIDTHS) if drafter == "draft-tree" else draft_model
 
@@ -156,6 +159,22 @@ def estimated_draft_ratio(target: Model, drafter) -> float:
     if isinstance(drafter, DraftModel):
         return drafter.model.weight_bytes_per_token / target.model.weight_bytes_per_token
     return 0.0  # prompt lookup: a scan of the context
+
+
+def make_eagle(target: Model, head: str | None = None) -> EagleDrafter:
+    """An EAGLE head from a folder, or the one trained (or shipped) for this target."""
+    folder = head
+    if folder is None:
+        candidates = [eagle.default_dir(target.info.folder), medusa.SHIPPED / target.info.source / "eagle"]
+        folder = next((f for f in candidates if (f / eagle.CONFIG_FILE).is_file()), None)
+        if folder is None:
+            raise SpecDecodeError(f"no EAGLE head for {target.info.source}: run `specdecode train eagle "
+                                  f"--target {target.info.source}` or pass --head PATH")
+    trained = eagle.load(folder)
+    sha = trained.config.target_sha256
+    if sha and target.info.sha256 and sha != target.info.sha256:
+        raise SpecDecodeError(f"the head in {folder} was trained on {trained.config.target}, not on this target")
+    return EagleDrafter(target.model, trained)
 
 
 @dataclass(frozen=True)

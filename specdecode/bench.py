@@ -6,7 +6,8 @@ method B, ..., peers; then again) after a warm-up, and the median of the repeats
 lookup, `adaptive` (the draft model with k chosen per round by adaptive.py from costs
 estimated by model size), `tuned` (per category the drafter a `tune` profile chose, its k
 adaptive from the profile's measured costs and α), `medusa` (the target's trained heads
-and their tree), `draft-tree` (the draft model's top-2/top-3 candidates as trees), and transformers' plain `generate`, `assistant_model=`
+and their tree), `draft-tree` (the draft model's top-2/top-3 candidates as trees), `eagle` (the trained
+EAGLE head with dynamic trees), and transformers' plain `generate`, `assistant_model=`
 and `prompt_lookup_num_tokens=` on the same weights, dtype, prompts and budget. Per
 category it reports speedup over our plain decoding (time per output token, summed over
 the category's prompts), α, τ, acceptance by draft position, the time split, the
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .adaptive import AdaptiveK, CostModel, expected_tokens
-from .api import DEFAULT_DRAFT, DEFAULT_TARGET, estimated_draft_ratio, load_model, make_draft_model, make_medusa
+from .api import (DEFAULT_DRAFT, DEFAULT_TARGET, estimated_draft_ratio, load_model, make_draft_model,
+                  make_eagle, make_medusa)
 from .drafters import PromptLookup
 from .drafters.draft_tree import DraftTree
 from .engine import decode
@@ -45,7 +47,7 @@ from .sampling import SamplingConfig
 from .stopping import StopCondition
 from .suites import conversation
 
-METHODS = ("draft-model", "prompt-lookup", "adaptive", "tuned", "medusa", "draft-tree")
+METHODS = ("draft-model", "prompt-lookup", "adaptive", "tuned", "medusa", "draft-tree", "eagle")
 
 
 def theoretical_speedup(alpha: float, k: int, plain_step_s: float, draft_step_s: float, verify_s: float) -> float:
@@ -120,6 +122,8 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
                                       _ours(target, stop, sampling, seed, DraftTree(drafter, widths), 0)))
         elif name == "medusa":  # the heads trained (or shipped) for the target; its tree is its own
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, make_medusa(target), 0)))
+        elif name == "eagle":  # the target's trained EAGLE head, dynamic trees
+            methods.append(Method(name, None, _ours(target, stop, sampling, seed, make_eagle(target), 0)))
         elif name == "tuned":
             def tuned(category):  # the profile's drafter for the category, and a fresh policy
                 chosen, policy = profile.choose(category if category in profile.categories else None)

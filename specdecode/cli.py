@@ -36,7 +36,8 @@ def add_generate(sub) -> None:
     p.add_argument("--profile", help="a profile from `specdecode tune`: it picks the drafter (unless given) "
                    "and seeds an adaptive k with measured costs")
     p.add_argument("--category", help="the profile's category of this prompt (default: the mean over categories)")
-    p.add_argument("--heads", help="Medusa heads folder (default: the ones trained for the target)")
+    p.add_argument("--heads", "--head", dest="heads",
+                   help="Medusa heads / EAGLE head folder (default: the ones trained for the target)")
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -151,7 +152,8 @@ def add_bench(sub) -> None:
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft-model and adaptive ('' = none)")
     p.add_argument("--methods", type=_csv, default=None,
-                   help=f"of {','.join(METHODS)} (default: all but medusa; tuned only with --profile)")
+                   help=f"of {','.join(METHODS)} (default: all but medusa and eagle, which need trained heads; "
+                        "tuned only with --profile)")
     p.add_argument("--k", type=_csv, default=["2", "3", "4"], help="draft lengths for the draft model")
     p.add_argument("--lookup-k", type=int, default=4, help="draft length for prompt lookup")
     p.add_argument("--tree-widths", type=_csv, default=["2x2x1", "3x1x1"],
@@ -184,7 +186,8 @@ def run_bench_cmd(args) -> int:
     questions = load_questions(args)
     profile = Profile.load(args.profile) if args.profile else None
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    methods = args.methods or [m for m in METHODS if (m != "tuned" or profile is not None) and m != "medusa"
+    methods = args.methods or [m for m in METHODS if (m != "tuned" or profile is not None)
+                               and m not in ("medusa", "eagle")
                                and (args.draft or m not in ("draft-model", "adaptive"))]
     result = run_bench(questions, args.target, args.draft or None, tuple(methods), ks, args.lookup_k,
                        args.max_new_tokens, args.repeats, args.temperature, args.seed, args.peers, profile, log=log,
@@ -265,15 +268,29 @@ def add_train(sub) -> None:
     m.add_argument("--epochs", type=float, default=2.0)
     m.add_argument("--out", help="artifact folder (default: beside the target's cached weights)")
     m.set_defaults(func=run_train_cmd)
+    e = kinds.add_parser("eagle", help="an EAGLE head: one decoder layer predicting the target's next feature")
+    e.add_argument("--target", default=DEFAULT_TARGET)
+    e.add_argument("--tokens", type=int, default=100_000, help="tokens of standard-library source")
+    e.add_argument("--answers", type=int, default=24, help="prompts the target answers for training")
+    e.add_argument("--answer-tokens", type=int, default=128)
+    e.add_argument("--epochs", type=float, default=2.0)
+    e.add_argument("--out", help="artifact folder (default: beside the target's cached weights)")
+    e.set_defaults(func=run_train_cmd)
 
 
 def run_train_cmd(args) -> int:
-    from .training.medusa import run_train_medusa
-
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    folder = run_train_medusa(args.target, args.heads, args.tokens, args.answers, args.answer_tokens,
-                              args.epochs, args.out, log=log)
-    print(f"saved {folder}  (use: specdecode generate --target {args.target} --drafter medusa)")
+    if args.kind == "medusa":
+        from .training.medusa import run_train_medusa
+
+        folder = run_train_medusa(args.target, args.heads, args.tokens, args.answers, args.answer_tokens,
+                                  args.epochs, args.out, log=log)
+    else:
+        from .training.eagle import run_train_eagle
+
+        folder = run_train_eagle(args.target, args.tokens, args.answers, args.answer_tokens, args.epochs,
+                                 args.out, log=log)
+    print(f"saved {folder}  (use: specdecode generate --target {args.target} --drafter {args.kind})")
     return 0
 
 

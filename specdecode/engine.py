@@ -71,6 +71,8 @@ def decode(
 
     room = min(len(prompt_ids) + stop.max_new_tokens + k_max + 1, target.max_position_embeddings)
     cache = target.new_cache(1, room)
+    if hasattr(drafter, "reset"):
+        drafter.reset()  # a drafter that follows the target's features starts over with each generation
     out = target(torch.tensor([list(prompt_ids)]), cache, num_logits=1, hidden_layers=layers)
     if layers:
         drafter.observe_target({layer: out.hidden_states[layer][0] for layer in layers})

@@ -10,6 +10,7 @@ from .corpus import instruction_prompts, stdlib_documents
 from .features import Features, collect
 
 CHUNK = 512  # tokens per teacher-forced pass
+FEATURES_DIR = "training-features"  # beside the target's cached weights, shared by every head
 
 
 def answer_documents(target, num_answers: int, answer_tokens: int, log=print) -> list[list[int]]:

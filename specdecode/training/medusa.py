@@ -216,7 +216,7 @@ def run_train_medusa(target_name: str, num_heads: int = 3, num_tokens: int = 100
     """Everything `specdecode train medusa` does; returns the artifact folder."""
     from ..api import load_model
     from ..errors import SpecDecodeError
-    from .data import training_features
+    from .data import FEATURES_DIR, training_features
 
     if num_heads < 1 or num_tokens < 0 or num_answers < 0 or epochs <= 0:
         raise SpecDecodeError("--heads, --tokens, --answers and --epochs must be positive")
@@ -224,9 +224,11 @@ def run_train_medusa(target_name: str, num_heads: int = 3, num_tokens: int = 100
     if not hasattr(target.model, "lm_head_weight"):
         raise SpecDecodeError("Medusa heads need the native backend (a Llama-family target)")
     folder = Path(out) if out else medusa.default_dir(target.info.folder)
-    work = folder.with_name(folder.name + ".work")
+    work = folder.with_name(folder.name + ".work")  # the checkpoint, for resuming
+    work.mkdir(parents=True, exist_ok=True)
     layer = target.model.config.num_layers
-    features = training_features(target, (layer,), num_tokens, num_answers, answer_tokens, work, log)
+    features = training_features(target, (layer,), num_tokens, num_answers, answer_tokens,
+                                 Path(target.info.folder) / FEATURES_DIR, log)
     log(f"{len(features)} positions of target features")
     config = TrainConfig(num_heads=num_heads, epochs=epochs)
     heads, record = train(target.model, features, lm_head_weight(target), config, work, log)

@@ -1,0 +1,145 @@
+"""`specdecode train eagle`: train an EAGLE head on a frozen target, by self-distillation.
+
+Same data as Medusa (data.py: standard-library source and the target's own answers, run
+once through the frozen target). Per document, the head reads the pairs
+(f_j, embed(x_{j+1})) and learns f_{j+1}, the target's next feature (smooth L1), and
+the target's own next-token prediction from it through the frozen LM head
+(cross-entropy over the vocabulary that occurs among the labels, weight 0.1, as in
+EAGLE). One document per step, causal attention inside it. Every 20th document is held
+out; its loss is reported before and after, with the top-1 accuracy of the token read
+from the predicted feature. Resumable from a checkpoint in the work folder.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .. import eagle
+from .features import Features
+from .medusa import lm_head_weight, split
+
+TOKEN_LOSS_WEIGHT = 0.1
+
+
+@dataclass
+class EagleTrainConfig:
+    epochs: float = 2.0
+    lr: float = 3e-4
+    seed: int = 0
+    intermediate_size: int | None = None  # None: the target's
+    checkpoint_every: int = 50
+
+
+def documents(features: Features, indices: torch.Tensor) -> list[torch.Tensor]:
+    """Position indices of each document that has at least one of `indices`, in order."""
+    chosen = set(features.doc_ids[indices].tolist())
+    return [(features.doc_ids == d).nonzero()[:, 0] for d in sorted(chosen)]
+
+
+def doc_loss(head, embed, features: Features, hidden, positions, vocab_weight, vocab_index):
+    """(loss, top-1 hits, count) of one document."""
+    j = positions[:-1]
+    inputs, nxt = hidden[j].float(), positions[1:]
+    predicted = head(inputs, embed[features.tokens[nxt]].float(), torch.arange(len(j)))
+    target = hidden[nxt].float()
+    logits = (predicted.to(vocab_weight.dtype) @ vocab_weight.T).float()
+    labels = vocab_index[features.labels[nxt]]
+    regression = F.smooth_l1_loss(predicted, target)
+    token = F.cross_entropy(logits, labels)
+    hits = int((logits.argmax(-1) == labels).sum())
+    return regression + TOKEN_LOSS_WEIGHT * token, hits, len(j)
+
+
+def train(target, features: Features, lm_weight, config: EagleTrainConfig, work: Path, name: str, sha256,
+          log=print):
+    from tqdm import tqdm
+
+    layer = max(features.hidden)
+    hidden = features.hidden[layer]
+    train_idx, held_idx = split(features)
+    train_docs = [d for d in documents(features, train_idx) if len(d) > 2]
+    held_docs = [d for d in documents(features, held_idx) if len(d) > 2]
+    vocab = torch.unique(features.labels)
+    vocab_index = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
+    vocab_index[vocab] = torch.arange(vocab.numel())
+    vocab_weight = lm_weight[vocab].to(torch.bfloat16)  # the product is most of the work: bf16
+    embed = target.embed
+
+    head = eagle.new_head(target.config, name, sha256, config.intermediate_size, config.seed)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    total = max(1, int(config.epochs * len(train_docs)))
+    order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    step, record = 0, {}
+    checkpoint = work / "eagle-checkpoint.pt"
+    if checkpoint.is_file():
+        state = torch.load(checkpoint)
+        if state["config"] == config.__dict__ and state["tokens"] == len(features):
+            head.load_state_dict(state["head"])
+            optimizer.load_state_dict(state["optimizer"])
+            step, record = state["step"], state["record"]
+            log(f"resuming from step {step} of {total}")
+
+    def evaluate():
+        with torch.no_grad():
+            totals = [doc_loss(head, embed, features, hidden, d, vocab_weight, vocab_index) for d in held_docs]
+        count = sum(t[2] for t in totals)
+        return (round(sum(float(t[0]) * t[2] for t in totals) / max(1, count), 4),
+                round(sum(t[1] for t in totals) / max(1, count), 4))
+
+    if "held_out_loss_before" not in record:
+        record["held_out_loss_before"], record["held_out_top1_before"] = evaluate()
+    started = time.perf_counter()
+    bar = tqdm(total=total, initial=step, desc="train eagle", unit="doc")
+    while step < total:
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * 0.5 * (1 + math.cos(math.pi * step / total))
+        doc = train_docs[order[step % len(train_docs)]]
+        loss, _, _ = doc_loss(head, embed, features, hidden, doc, vocab_weight, vocab_index)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        bar.update()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if step % config.checkpoint_every == 0 or step == total:
+            partial = checkpoint.with_name(checkpoint.name + ".partial")
+            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                        "record": record, "config": config.__dict__, "tokens": len(features)}, partial)
+            partial.replace(checkpoint)
+    bar.close()
+    head.eval()
+    record["held_out_loss_after"], record["held_out_top1_after"] = evaluate()
+    record |= {"steps": total, "train_documents": len(train_docs), "held_out_documents": len(held_docs),
+               "reduced_vocab": vocab.numel(), "seconds_this_run": round(time.perf_counter() - started, 1)}
+    head.config.training = record
+    return head, record
+
+
+def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: int = 24, answer_tokens: int = 128,
+                    epochs: float = 2.0, out: str | Path | None = None, log=print) -> Path:
+    from ..api import load_model
+    from ..errors import SpecDecodeError
+    from .data import FEATURES_DIR, training_features
+
+    if num_tokens < 0 or num_answers < 0 or epochs <= 0:
+        raise SpecDecodeError("--tokens, --answers and --epochs must be positive")
+    target = load_model(target_name)
+    if not hasattr(target.model, "lm_head_weight"):
+        raise SpecDecodeError("an EAGLE head needs the native backend (a Llama-family target)")
+    folder = Path(out) if out else eagle.default_dir(target.info.folder)
+    work = folder.with_name(folder.name + ".work")  # the checkpoint, for resuming
+    work.mkdir(parents=True, exist_ok=True)
+    features = training_features(target, (target.model.config.num_layers,), num_tokens, num_answers,
+                                 answer_tokens, Path(target.info.folder) / FEATURES_DIR, log)
+    head, record = train(target.model, features, lm_head_weight(target), EagleTrainConfig(epochs=epochs), work,
+                         target_name, target.info.sha256, log)
+    log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
+        f"top-1 {record['held_out_top1_before']:.3f} -> {record['held_out_top1_after']:.3f}")
+    return eagle.save(folder, head)

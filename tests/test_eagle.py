@@ -1,0 +1,95 @@
+"""EAGLE: the head, dynamic trees decoded exactly (greedy and sampled), training, artifact."""
+
+import numpy as np
+import pytest
+import torch
+
+from specdecode import eagle
+from specdecode.drafters.eagle import EagleDrafter
+from specdecode.engine import decode
+from specdecode.events import collect
+from specdecode.models.native import NativeModel
+from specdecode.sampling import SamplingConfig, logits_to_probs
+from specdecode.stopping import StopCondition
+from specdecode.training.eagle import EagleTrainConfig, train
+from specdecode.training.features import collect as collect_features
+
+from .conftest import save_tiny
+from .test_acceptance import assert_distributed_as
+
+
+def random_head(model, seed=0):
+    head = eagle.new_head(model.config, "tiny", None, intermediate_size=32, seed=seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    return head.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eagle_dynamic_tree_greedy_is_identical_to_plain(tiny_llama, dtype):
+    model = NativeModel.from_folder(tiny_llama, dtype)
+    stop = StopCondition(frozenset(), max_new_tokens=40)
+    for seed, (depth, top_k) in enumerate([(5, 3), (3, 2), (1, 1)]):
+        prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain, _ = collect(decode(model, prompt, stop))
+        drafter = EagleDrafter(model, random_head(model, seed), depth=depth, top_k=top_k)
+        tokens, done = collect(decode(model, prompt, stop, drafter=drafter))
+        assert tokens == plain
+        assert done.stats.rounds < len(plain) or depth == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab8(tmp_path_factory):
+    """A tiny model over 8 tokens with a flat-ish distribution, for sampling statistics."""
+    folder = save_tiny(tmp_path_factory.mktemp("tiny_v8"), "llama", seed=3, vocab_size=8)
+    model = NativeModel.from_folder(folder, torch.float32)
+    model.lm_head.weight.div_(8.0)  # undo save_tiny's sharpening: every pair of tokens is possible
+    return model
+
+
+def test_eagle_sampling_keeps_the_target_distribution(tiny_vocab8):
+    """The first two sampled tokens (the second from an EAGLE tree) against the exact joint."""
+    model = tiny_vocab8
+    sampling = SamplingConfig(temperature=0.9)
+    prompt = [1, 2, 3]
+    cache = model.new_cache(1, 8)
+    first = logits_to_probs(model(torch.tensor([prompt]), cache).logits[0, -1], sampling)
+    joint = torch.stack([first[a] * logits_to_probs(
+        model(torch.tensor([[*prompt, a]]), model.new_cache(1, 8)).logits[0, -1], sampling) for a in range(8)])
+    drafter = EagleDrafter(model, random_head(model, 5), depth=3, top_k=2, num_nodes=5)
+    stop = StopCondition(frozenset(), max_new_tokens=3)  # room to draft a depth-1 tree after the first
+    generator = torch.Generator().manual_seed(0)
+    samples, accepted = [], []
+    for _ in range(3000):
+        tokens, done = collect(decode(model, prompt, stop, sampling, drafter, generator=generator))
+        samples.append(tokens[0] * 8 + tokens[1])
+        accepted.append(done.stats.accepted_tokens)
+    assert_distributed_as(np.array(samples), joint.flatten().double().numpy())
+    assert np.mean(accepted) > 0.2  # the second token came from an accepted tree node often
+
+
+def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_llama, tmp_path):
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(96, generator=g)
+    docs = []
+    for start in torch.randint(0, 96, (40,), generator=g).tolist():
+        doc = [start]
+        while len(doc) < 40:
+            doc.append(int(perm[doc[-1]]))
+        docs.append(doc)
+    features = collect_features(model, docs, (model.config.num_layers,))
+    from safetensors.torch import load_file
+
+    lm_weight = load_file(f"{tiny_llama}/model.safetensors")["lm_head.weight"]
+    config = EagleTrainConfig(epochs=3, lr=3e-3, intermediate_size=64, checkpoint_every=20)
+    head, record = train(model, features, lm_weight, config, tmp_path, "tiny", None, log=lambda _: None)
+    assert record["held_out_loss_after"] < 0.7 * record["held_out_loss_before"]
+    assert record["held_out_top1_after"] > record["held_out_top1_before"]
+    loaded = eagle.load(eagle.save(tmp_path / "head", head))
+    assert loaded.config == head.config
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a.to(torch.bfloat16).float(), b), name
+    with pytest.raises(Exception, match="no EAGLE head"):
+        eagle.load(tmp_path / "missing")
