@@ -174,7 +174,8 @@ def make_eagle(target: Model, head: str | None = None) -> EagleDrafter:
     sha = trained.config.target_sha256
     if sha and target.info.sha256 and sha != target.info.sha256:
         raise SpecDecodeError(f"the head in {folder} was trained on {trained.config.target}, not on this target")
-    return EagleDrafter(target.model, trained)
+    shape = trained.config.tree  # chosen when training from measured acceptance and costs
+    return EagleDrafter(target.model, trained, **{k: shape[k] for k in ("depth", "top_k", "num_nodes") if k in shape})
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,8 @@ class EagleConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     training: dict = field(default_factory=dict)
+    # the dynamic tree for this machine: depth, top_k, num_nodes (+ the measurements behind them)
+    tree: dict = field(default_factory=dict)
 
     @property
     def head_dim(self) -> int:

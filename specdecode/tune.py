@@ -40,11 +40,11 @@ def measure_passes(models: dict[str, tuple[object, int]], context: int = 256, re
         if key not in caches:
             longest = max(m for mod, m in models.values() if mod is model)
             caches[key] = model.new_cache(1, context + longest + 1)
-            model(torch.randint(0, 1000, (1, context)), caches[key], num_logits=1)
+            model(torch.randint(0, model.vocab_size, (1, context)), caches[key], num_logits=1)
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeats + 1):  # the first round is a warm-up
         for name, (model, n) in models.items():
-            cache, tokens = caches[id(model)], torch.randint(0, 1000, (1, n))
+            cache, tokens = caches[id(model)], torch.randint(0, model.vocab_size, (1, n))
             started = time.perf_counter()
             model(tokens, cache)
             times[name].append(time.perf_counter() - started)

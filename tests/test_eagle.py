@@ -11,7 +11,7 @@ from specdecode.events import collect
 from specdecode.models.native import NativeModel
 from specdecode.sampling import SamplingConfig, logits_to_probs
 from specdecode.stopping import StopCondition
-from specdecode.training.eagle import EagleTrainConfig, train
+from specdecode.training.eagle import EagleTrainConfig, choose_shape, measure_shape, train
 from specdecode.training.features import collect as collect_features
 
 from .conftest import save_tiny
@@ -87,9 +87,24 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
     head, record = train(model, features, lm_weight, config, tmp_path, "tiny", None, log=lambda _: None)
     assert record["held_out_loss_after"] < 0.7 * record["held_out_loss_before"]
     assert record["held_out_top1_after"] > record["held_out_top1_before"]
+    shape = measure_shape(model, head, features, log=lambda _: None)
+    assert 1 <= shape["depth"] <= 5 and 1 <= shape["top_k"] <= 4 and 1 <= shape["num_nodes"] <= 10
+    assert len(shape["accuracy"]) == 5 and all(0 <= a <= 1 for row in shape["accuracy"] for a in row)
+    assert shape["accuracy"][0][0] > 0.5  # the grammar is easy: the trained head reads it at depth 1
+    head.config.tree = shape
     loaded = eagle.load(eagle.save(tmp_path / "head", head))
     assert loaded.config == head.config
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a.to(torch.bfloat16).float(), b), name
     with pytest.raises(Exception, match="no EAGLE head"):
         eagle.load(tmp_path / "missing")
+
+
+def test_tree_shape_choice_follows_acceptance_and_cost():
+    flat = [1.0] * 12
+    good = [[0.8, 0.1, 0.05]] * 5
+    poor = [[0.3, 0.1, 0.05]] * 5
+    deep = choose_shape(good, flat, draft_depth_ratio=0.02)
+    shallow = choose_shape(poor, flat, draft_depth_ratio=0.2)
+    assert deep["depth"] >= 4 and deep["num_nodes"] == 10
+    assert shallow["depth"] < deep["depth"]

@@ -168,3 +168,29 @@ def test_smollm2_medusa_and_draft_tree_greedy_are_identical_to_plain():
     assert tree.stats.mean_accepted_length > 3.0  # the target drafting for itself: every depth holds
     with pytest.raises(SpecDecodeError, match="does not apply"):
         specdecode.generate(prompt, drafter="medusa", k=3, **options)
+
+
+@pytest.mark.real
+def test_smollm2_eagle_chain_and_dynamic_tree_greedy_are_identical_to_plain():
+    """The EAGLE head shipped in the package, as a chain (top-1, 4 deep) and as a dynamic tree."""
+    import specdecode
+    from specdecode.api import load_model, make_eagle
+    from specdecode.drafters.eagle import EagleDrafter
+    from specdecode.engine import decode
+    from specdecode.events import collect
+    from specdecode.prompts import encode_prompt
+    from specdecode.stopping import StopCondition
+
+    prompt = "Write a Python function that returns the n-th Fibonacci number."
+    target = load_model("smollm2-135m-instruct")
+    ids = encode_prompt(target.tokenizer, prompt)
+    stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=48)
+    plain, _ = collect(decode(target.model, ids, stop))
+    tree = make_eagle(target)
+    chain = EagleDrafter(target.model, tree.head, depth=4, top_k=1, num_nodes=4)
+    for drafter in (chain, tree):
+        tokens, done = collect(decode(target.model, ids, stop, drafter=drafter))
+        assert tokens == plain
+        assert done.stats.mean_accepted_length > 1.3
+    assert specdecode.generate(prompt, target="smollm2-135m-instruct", drafter="eagle",
+                               max_new_tokens=48).token_ids == plain

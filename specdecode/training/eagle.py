@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import eagle
+from ..tree_shapes import choose_tree
 from .features import Features
-from .medusa import lm_head_weight, split
+from .medusa import MAX_TREE_NODES, lm_head_weight, split
 
 TOKEN_LOSS_WEIGHT = 0.1
 
@@ -122,6 +123,72 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
     return head, record
 
 
+@torch.no_grad()
+def depth_accuracy(head, target, features: Features, docs, max_depth: int = 5, top: int = 4) -> list[list[float]]:
+    """accuracy[d][r]: P(rank r of the head's candidates at depth d+1 is the target's token |
+    the path to it was accepted), the head running on its own predicted features as when
+    drafting. Teacher-forced text stands in for the accepted path where the text agrees
+    with the target's own predictions (rows where it does not drop out at that depth)."""
+    hidden = features.hidden[max(features.hidden)]
+    dtype = target.dtype
+    hits = [[0] * top for _ in range(max_depth)]
+    counts = [0] * max_depth
+    for doc in docs:
+        L = len(doc)
+        if L < 3:
+            continue
+        tokens, labels = features.tokens[doc], features.labels[doc]
+        cache = eagle.HeadCache()
+        pos = torch.arange(L - 1)
+        predicted = head(hidden[doc[:-1]].to(dtype), target.embed[tokens[1:]], pos, cache)  # f̂ at 1..L-1
+        rows = torch.arange(L - 1)  # row i: drafting after position i (the pending token is x_{i+1})
+        feature, chain = predicted, []
+        for d in range(max_depth):
+            # depth d+1 candidates come from the feature predicted for position i+1+d
+            target_pos = rows + 1 + d
+            ok = target_pos < L
+            rows, feature, target_pos = rows[ok], feature[ok], target_pos[ok]
+            chain = [c[ok] for c in chain]
+            if rows.numel() == 0:
+                break
+            ranked = target.lm_head(feature).topk(top, dim=-1).indices
+            want = labels[target_pos]
+            counts[d] += rows.numel()
+            for r in range(top):
+                hits[d][r] += int((ranked[:, r] == want).sum())
+            # continue where the text is what the target would have said (the accepted path)
+            nxt = target_pos + 1
+            keep = (nxt < L) & (tokens[nxt.clamp(max=L - 1)] == want)
+            rows, feature, want, target_pos = rows[keep], feature[keep], want[keep], target_pos[keep]
+            chain = [c[keep] for c in chain]
+            if rows.numel() == 0:
+                break
+            T = rows.numel()
+            # the new pair (f̂ at target_pos, x at target_pos+1) attends to the true pairs up to
+            # each row's position, to its own earlier predicted pairs, and to itself
+            mask = torch.zeros(T, cache.length + T, dtype=torch.bool)
+            mask[:, : L - 1] = torch.arange(L - 1)[None] <= rows[:, None]
+            for c in chain:
+                mask[torch.arange(T), c] = True
+            slots = cache.length + torch.arange(T)
+            mask[torch.arange(T), slots] = True
+            chain.append(slots)
+            feature = head(feature, target.embed[want], target_pos, cache, mask)
+    return [[round(h / max(1, counts[d]), 4) for h in hits[d]] for d in range(max_depth)]
+
+
+def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: int = 10) -> dict:
+    """Depth, top-k and number of nodes of the dynamic tree: the static tree of highest
+    expected speedup for each depth (a draft costs depth x one head step), best of all."""
+    best = {"depth": 1, "top_k": 1, "num_nodes": 1, "expected_speedup": 0.0}
+    for depth in range(1, len(accuracy) + 1):
+        paths, speedup = choose_tree(accuracy[:depth], verify_ratios, depth * draft_depth_ratio, max_nodes)
+        if paths and speedup > best["expected_speedup"]:
+            best = {"depth": max(map(len, paths)), "top_k": max(p[-1] for p in paths) + 1,
+                    "num_nodes": len(paths), "expected_speedup": round(speedup, 3)}
+    return best
+
+
 def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: int = 24, answer_tokens: int = 128,
                     epochs: float = 2.0, out: str | Path | None = None, log=print) -> Path:
     from ..api import load_model
@@ -142,4 +209,37 @@ def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: in
                          target_name, target.info.sha256, log)
     log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
         f"top-1 {record['held_out_top1_before']:.3f} -> {record['held_out_top1_after']:.3f}")
+    head.config.tree = measure_shape(target.model, head, features, log)
     return eagle.save(folder, head)
+
+
+def measure_shape(model, head, features: Features, log=print) -> dict:
+    """Held-out accuracy by depth and rank, this machine's verify and head-step costs, and
+    the dynamic tree's depth, top-k and size chosen from them."""
+    from ..tune import cost_model, measure_verify_curve
+
+    head = head.to(model.dtype).eval()
+    _, held_idx = split(features)
+    accuracy = depth_accuracy(head, model, features, documents(features, held_idx)[:40])
+    verify = measure_verify_curve(model, sizes=tuple(range(1, MAX_TREE_NODES + 2)), repeats=3)
+    costs = cost_model(verify, _time_head_step(model, head))
+    shape = choose_shape(accuracy, costs.verify_ratios, costs.draft_ratio, MAX_TREE_NODES)
+    log(f"accuracy by depth (top-1) {[a[0] for a in accuracy]}; tree: depth {shape['depth']}, "
+        f"top-{shape['top_k']}, {shape['num_nodes']} nodes, expected {shape['expected_speedup']:.2f}x")
+    return shape | {"accuracy": accuracy, "head_step_ratio": round(costs.draft_ratio, 4)}
+
+
+def _time_head_step(model, head, rows: int = 3, repeats: int = 5) -> float:
+    """Seconds of one drafting depth: a head pass over a few nodes and their LM-head rows."""
+    H = head.config.hidden_size
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            cache = eagle.HeadCache()
+            head(torch.randn(64, H).to(model.dtype), torch.randn(64, H).to(model.dtype), torch.arange(64), cache)
+            started = time.perf_counter()
+            out = head(torch.randn(rows, H).to(model.dtype), torch.randn(rows, H).to(model.dtype),
+                       torch.full((rows,), 64), cache, torch.ones(rows, 64 + rows, dtype=torch.bool))
+            model.lm_head(out).topk(4, dim=-1)
+            times.append(time.perf_counter() - started)
+    return sorted(times[1:])[repeats // 2]
