@@ -94,9 +94,26 @@ def test_unknown_model_is_refused():
     (["--prompt", "hi", "--drafter", "prompt-lookup", "--draft", "smollm2-135m-instruct"], "does not go with"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "word " * 9000], "context"),
+    (["--prompt", "hi", "--drafter", "medusa", "--k", "3"], "does not apply"),
+    (["--prompt", "hi", "--drafter", "eagle", "--head", "/nonexistent"], "no EAGLE head"),
+    (["--prompt", "hi", "--drafter", "medusa", "--heads", "/nonexistent"], "no Medusa heads"),
+    (["--prompt", "hi", "--drafter", "prompt-lookup", "--heads", "/x"], "goes with --drafter medusa or eagle"),
 ])
 def test_cli_bad_input_gives_one_clear_error(capsys, argv, message):
     assert main(["generate", "--target", "smollm2-135m-instruct", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("specdecode: error:") and message in err[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--tree-widths", "4x4"], "at most 10 nodes"),
+    (["bench", "--tree-widths", "2xa"], "widths per depth"),
+    (["train", "medusa", "--heads", "0"], "must be positive"),
+    (["train", "eagle", "--epochs", "0"], "must be positive"),
+    (["tune", "--drafters", "nope"], "--drafters must name"),
+])
+def test_cli_bad_options_give_one_clear_error(capsys, argv, message):
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("specdecode: error:") and message in err[0]
 
