@@ -35,6 +35,7 @@ class EagleTrainConfig:
     seed: int = 0
     intermediate_size: int | None = None  # None: the target's
     checkpoint_every: int = 50
+    rollout: int = 2  # steps on its own predicted features (doc_loss)
 
 
 def documents(features: Features, indices: torch.Tensor) -> list[torch.Tensor]:
@@ -43,18 +44,27 @@ def documents(features: Features, indices: torch.Tensor) -> list[torch.Tensor]:
     return [(features.doc_ids == d).nonzero()[:, 0] for d in sorted(chosen)]
 
 
-def doc_loss(head, embed, features: Features, hidden, positions, vocab_weight, vocab_index):
-    """(loss, top-1 hits, count) of one document."""
-    j = positions[:-1]
-    inputs, nxt = hidden[j].float(), positions[1:]
-    predicted = head(inputs, embed[features.tokens[nxt]].float(), torch.arange(len(j)))
+def doc_loss(head, embed, features: Features, hidden, positions, vocab_weight, vocab_index, rollout: int = 1):
+    """(loss, top-1 hits, count) of one document.
+
+    Step 1 reads the target's true features. Each further rollout step feeds the head its
+    own predictions from the step before in their place (pair j gets f̂_j), so that it
+    learns to draft deeper than one token from features it predicted itself; the loss is
+    the mean over steps, the hits are step 1's."""
+    j, nxt = positions[:-1], positions[1:]
+    embeds = embed[features.tokens[nxt]].float()
     target = hidden[nxt].float()
-    logits = (predicted.to(vocab_weight.dtype) @ vocab_weight.T).float()
     labels = vocab_index[features.labels[nxt]]
-    regression = F.smooth_l1_loss(predicted, target)
-    token = F.cross_entropy(logits, labels)
-    hits = int((logits.argmax(-1) == labels).sum())
-    return regression + TOKEN_LOSS_WEIGHT * token, hits, len(j)
+    inputs = hidden[j].float()
+    total, hits = 0.0, 0
+    for step in range(rollout):
+        predicted = head(inputs, embeds, torch.arange(len(j)))
+        logits = (predicted.to(vocab_weight.dtype) @ vocab_weight.T).float()
+        total = total + F.smooth_l1_loss(predicted, target) + TOKEN_LOSS_WEIGHT * F.cross_entropy(logits, labels)
+        if step == 0:
+            hits = int((logits.argmax(-1) == labels).sum())
+        inputs = torch.cat([hidden[j[:1]].float(), predicted[:-1]])
+    return total / rollout, hits, len(j)
 
 
 def train(target, features: Features, lm_weight, config: EagleTrainConfig, work: Path, name: str, sha256,
@@ -88,7 +98,8 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
 
     def evaluate():
         with torch.no_grad():
-            totals = [doc_loss(head, embed, features, hidden, d, vocab_weight, vocab_index) for d in held_docs]
+            totals = [doc_loss(head, embed, features, hidden, d, vocab_weight, vocab_index, config.rollout)
+                      for d in held_docs]
         count = sum(t[2] for t in totals)
         return (round(sum(float(t[0]) * t[2] for t in totals) / max(1, count), 4),
                 round(sum(t[1] for t in totals) / max(1, count), 4))
@@ -101,7 +112,7 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
         for group in optimizer.param_groups:
             group["lr"] = config.lr * 0.5 * (1 + math.cos(math.pi * step / total))
         doc = train_docs[order[step % len(train_docs)]]
-        loss, _, _ = doc_loss(head, embed, features, hidden, doc, vocab_weight, vocab_index)
+        loss, _, _ = doc_loss(head, embed, features, hidden, doc, vocab_weight, vocab_index, config.rollout)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
