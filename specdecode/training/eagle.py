@@ -12,7 +12,6 @@ from the predicted feature. Resumable from a checkpoint in the work folder.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 
 from .. import eagle
 from ..tree_shapes import choose_tree
+from .loop import Checkpoint, reduced_vocabulary, run_steps
 from .features import Features
 from .medusa import MAX_TREE_NODES, lm_head_weight, split
 
@@ -69,32 +69,22 @@ def doc_loss(head, embed, features: Features, hidden, positions, vocab_weight, v
 
 def train(target, features: Features, lm_weight, config: EagleTrainConfig, work: Path, name: str, sha256,
           log=print):
-    from tqdm import tqdm
-
     layer = max(features.hidden)
     hidden = features.hidden[layer]
     train_idx, held_idx = split(features)
     train_docs = [d for d in documents(features, train_idx) if len(d) > 2]
     held_docs = [d for d in documents(features, held_idx) if len(d) > 2]
-    vocab = torch.unique(features.labels)
-    vocab_index = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
-    vocab_index[vocab] = torch.arange(vocab.numel())
-    vocab_weight = lm_weight[vocab].to(torch.bfloat16)  # the product is most of the work: bf16
+    vocab_weight, vocab_index = reduced_vocabulary(features.labels, lm_weight)
     embed = target.embed
 
     head = eagle.new_head(target.config, name, sha256, config.intermediate_size, config.seed)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     total = max(1, int(config.epochs * len(train_docs)))
     order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(config.seed)).tolist()
-    step, record = 0, {}
-    checkpoint = work / "eagle-checkpoint.pt"
-    if checkpoint.is_file():
-        state = torch.load(checkpoint)
-        if state["config"] == config.__dict__ and state["tokens"] == len(features):
-            head.load_state_dict(state["head"])
-            optimizer.load_state_dict(state["optimizer"])
-            step, record = state["step"], state["record"]
-            log(f"resuming from step {step} of {total}")
+    checkpoint = Checkpoint(work / "eagle-checkpoint.pt", head, optimizer, config, len(features))
+    step, record = checkpoint.resume()
+    if step:
+        log(f"resuming from step {step} of {total}")
 
     def evaluate():
         with torch.no_grad():
@@ -107,29 +97,17 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
     if "held_out_loss_before" not in record:
         record["held_out_loss_before"], record["held_out_top1_before"] = evaluate()
     started = time.perf_counter()
-    bar = tqdm(total=total, initial=step, desc="train eagle", unit="doc")
-    while step < total:
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * 0.5 * (1 + math.cos(math.pi * step / total))
+
+    def loss_at(step: int) -> torch.Tensor:  # one document per step
         doc = train_docs[order[step % len(train_docs)]]
-        loss, _, _ = doc_loss(head, embed, features, hidden, doc, vocab_weight, vocab_index, config.rollout)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        optimizer.step()
-        step += 1
-        bar.update()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % config.checkpoint_every == 0 or step == total:
-            partial = checkpoint.with_name(checkpoint.name + ".partial")
-            torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                        "record": record, "config": config.__dict__, "tokens": len(features)}, partial)
-            partial.replace(checkpoint)
-    bar.close()
+        return doc_loss(head, embed, features, hidden, doc, vocab_weight, vocab_index, config.rollout)[0]
+
+    run_steps(loss_at, head, optimizer, checkpoint, step, total, config.lr, record, config.checkpoint_every,
+              "train eagle")
     head.eval()
     record["held_out_loss_after"], record["held_out_top1_after"] = evaluate()
     record |= {"steps": total, "train_documents": len(train_docs), "held_out_documents": len(held_docs),
-               "reduced_vocab": vocab.numel(), "seconds_this_run": round(time.perf_counter() - started, 1)}
+               "reduced_vocab": vocab_weight.shape[0], "seconds_this_run": round(time.perf_counter() - started, 1)}
     head.config.training = record
     return head, record
 

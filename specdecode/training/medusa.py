@@ -19,7 +19,6 @@ artifact is written only at the end, by rename.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 
 from .. import medusa
 from ..tree_shapes import choose_tree
+from .loop import Checkpoint, reduced_vocabulary, run_steps
 from .features import Features
 
 MAX_TREE_NODES = 10  # root + 10 nodes = 11 rows: the packed bf16 product stays row-invariant (linear.py)
@@ -109,17 +109,12 @@ def rank_accuracy(heads, target, hidden, labels, valid, top: int = TOP_RANKS) ->
 def train(target, features: Features, lm_weight: torch.Tensor, config: TrainConfig, work: Path,
           log=print) -> tuple[medusa.MedusaHeads, dict]:
     """Train heads on the features; resumes from work/checkpoint.pt. Returns (heads, record)."""
-    from tqdm import tqdm
-
     layer = max(features.hidden)
     hidden = features.hidden[layer]
     labels, valid = head_labels(features, config.num_heads)
     train_idx, held_idx = split(features)
-    vocab = torch.unique(features.labels)
-    vocab_index = torch.full((lm_weight.shape[0],), -1, dtype=torch.long)
-    vocab_index[vocab] = torch.arange(vocab.numel())
-    # The product with the LM head is most of the work: in bf16 it runs about 3x faster here.
-    vocab_weight = lm_weight[vocab].to(torch.bfloat16 if config.bf16 else torch.float32)  # (Vr, H)
+    vocab_weight, vocab_index = reduced_vocabulary(features.labels, lm_weight,
+                                                   torch.bfloat16 if config.bf16 else torch.float32)
 
     torch.manual_seed(config.seed)
     heads = medusa.MedusaHeads(config.num_heads, hidden.shape[-1])
@@ -127,51 +122,30 @@ def train(target, features: Features, lm_weight: torch.Tensor, config: TrainConf
     steps_per_epoch = max(1, len(train_idx) // config.batch_size)
     total_steps = max(1, int(config.epochs * steps_per_epoch))
     order = torch.randperm(len(train_idx), generator=torch.Generator().manual_seed(config.seed))
-    step, record = 0, {}
-    checkpoint = work / "checkpoint.pt"
-    if checkpoint.is_file():
-        state = torch.load(checkpoint)
-        if state["config"] == config.__dict__ and state["tokens"] == len(features):
-            heads.load_state_dict(state["heads"])
-            optimizer.load_state_dict(state["optimizer"])
-            step, record = state["step"], state["record"]
-            log(f"resuming from step {step} of {total_steps}")
+    checkpoint = Checkpoint(work / "medusa-checkpoint.pt", heads, optimizer, config, len(features))
+    step, record = checkpoint.resume()
+    if step:
+        log(f"resuming from step {step} of {total_steps}")
     held = (hidden[held_idx], labels[held_idx], valid[held_idx])
     if "held_out_loss_before" not in record:
         record["held_out_loss_before"] = round(evaluate(heads, *held, vocab_weight, vocab_index), 4)
 
     started = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=step, desc="train medusa", unit="step")
-    while step < total_steps:
-        lr = config.lr * 0.5 * (1 + math.cos(math.pi * step / total_steps))  # cosine decay
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+
+    def loss_at(step: int) -> torch.Tensor:  # a batch of positions per step, an epoch in a fixed order
         offset = (step % steps_per_epoch) * config.batch_size
         batch = train_idx[order[offset:offset + config.batch_size]]
-        loss = head_loss(heads, hidden[batch], labels[batch], valid[batch], vocab_weight, vocab_index)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        step += 1
-        bar.update()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        if step % config.checkpoint_every == 0 or step == total_steps:
-            _save_checkpoint(checkpoint, heads, optimizer, step, record, config, len(features))
-    bar.close()
+        return head_loss(heads, hidden[batch], labels[batch], valid[batch], vocab_weight, vocab_index)
+
+    run_steps(loss_at, heads, optimizer, checkpoint, step, total_steps, config.lr, record, config.checkpoint_every,
+              "train medusa")
     heads.eval()
     record |= {"held_out_loss_after": round(evaluate(heads, *held, vocab_weight, vocab_index), 4),
                "steps": total_steps, "train_positions": len(train_idx), "held_out_positions": len(held_idx),
-               "reduced_vocab": vocab.numel(), "seconds_this_run": round(time.perf_counter() - started, 1)}
+               "reduced_vocab": vocab_weight.shape[0], "seconds_this_run": round(time.perf_counter() - started, 1)}
     sample = held_idx[:4096]
     record["accuracy"] = rank_accuracy(heads, target, hidden[sample], labels[sample], valid[sample])
     return heads, record
-
-
-def _save_checkpoint(path: Path, heads, optimizer, step, record, config, tokens) -> None:
-    partial = path.with_name(path.name + ".partial")
-    torch.save({"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "record": record, "config": config.__dict__, "tokens": tokens}, partial)
-    partial.replace(path)
 
 
 def pick_tree(target, heads, accuracy, log=print) -> tuple[list[tuple[int, ...]], float]:
