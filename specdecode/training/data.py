@@ -51,3 +51,26 @@ def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answ
     bar.close()
     features.save(path)
     return features
+
+
+def prepare(target_name: str, out, default_dir, num_tokens: int, num_answers: int, answer_tokens: int,
+            epochs: float, what: str, log=print):
+    """What every `specdecode train` does first: check the settings, load the target, make
+    the work folder beside the artifact, and get the target's features (cached and shared).
+    The artifact folder is `out`, else default_dir(the target's cached folder). Returns
+    (target, features, artifact folder, work folder)."""
+    from ..api import load_model
+    from ..errors import SpecDecodeError
+
+    if num_tokens < 0 or num_answers < 0 or epochs <= 0:
+        raise SpecDecodeError("--tokens, --answers and --epochs must be positive")
+    target = load_model(target_name)
+    if not hasattr(target.model, "lm_head_weight"):
+        raise SpecDecodeError(f"{what} needs the native backend (a Llama-family target)")
+    folder = Path(out) if out else default_dir(target.info.folder)
+    work = folder.with_name(folder.name + ".work")  # the checkpoint, for resuming
+    work.mkdir(parents=True, exist_ok=True)
+    features = training_features(target, (target.model.config.num_layers,), num_tokens, num_answers,
+                                 answer_tokens, Path(target.info.folder) / FEATURES_DIR, log)
+    log(f"{len(features)} positions of target features")
+    return target, features, folder, work

@@ -180,20 +180,10 @@ def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: i
 
 def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: int = 24, answer_tokens: int = 128,
                     epochs: float = 2.0, out: str | Path | None = None, log=print) -> Path:
-    from ..api import load_model
-    from ..errors import SpecDecodeError
-    from .data import FEATURES_DIR, training_features
+    from .data import prepare
 
-    if num_tokens < 0 or num_answers < 0 or epochs <= 0:
-        raise SpecDecodeError("--tokens, --answers and --epochs must be positive")
-    target = load_model(target_name)
-    if not hasattr(target.model, "lm_head_weight"):
-        raise SpecDecodeError("an EAGLE head needs the native backend (a Llama-family target)")
-    folder = Path(out) if out else eagle.default_dir(target.info.folder)
-    work = folder.with_name(folder.name + ".work")  # the checkpoint, for resuming
-    work.mkdir(parents=True, exist_ok=True)
-    features = training_features(target, (target.model.config.num_layers,), num_tokens, num_answers,
-                                 answer_tokens, Path(target.info.folder) / FEATURES_DIR, log)
+    target, features, folder, work = prepare(target_name, out, eagle.default_dir, num_tokens, num_answers,
+                                             answer_tokens, epochs, "EAGLE", log)
     head, record = train(target.model, features, lm_head_weight(target), EagleTrainConfig(epochs=epochs), work,
                          target_name, target.info.sha256, log)
     log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "

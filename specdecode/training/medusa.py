@@ -188,22 +188,13 @@ def run_train_medusa(target_name: str, num_heads: int = 3, num_tokens: int = 100
                      answer_tokens: int = 128, epochs: float = 2.0, out: str | Path | None = None,
                      log=print) -> Path:
     """Everything `specdecode train medusa` does; returns the artifact folder."""
-    from ..api import load_model
     from ..errors import SpecDecodeError
-    from .data import FEATURES_DIR, training_features
+    from .data import prepare
 
-    if num_heads < 1 or num_tokens < 0 or num_answers < 0 or epochs <= 0:
-        raise SpecDecodeError("--heads, --tokens, --answers and --epochs must be positive")
-    target = load_model(target_name)
-    if not hasattr(target.model, "lm_head_weight"):
-        raise SpecDecodeError("Medusa heads need the native backend (a Llama-family target)")
-    folder = Path(out) if out else medusa.default_dir(target.info.folder)
-    work = folder.with_name(folder.name + ".work")  # the checkpoint, for resuming
-    work.mkdir(parents=True, exist_ok=True)
-    layer = target.model.config.num_layers
-    features = training_features(target, (layer,), num_tokens, num_answers, answer_tokens,
-                                 Path(target.info.folder) / FEATURES_DIR, log)
-    log(f"{len(features)} positions of target features")
+    if num_heads < 1:
+        raise SpecDecodeError("--heads must be positive")
+    target, features, folder, work = prepare(target_name, out, medusa.default_dir, num_tokens, num_answers,
+                                             answer_tokens, epochs, "Medusa", log)
     config = TrainConfig(num_heads=num_heads, epochs=epochs)
     heads, record = train(target.model, features, lm_head_weight(target), config, work, log)
     log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
