@@ -19,7 +19,9 @@ one-token passes, or greedy speculative output drifts from plain decoding. bf16 
 are row-invariant here, but attention over the valid slots is not: the kernel splits keys
 into blocks by their count, so the rounding of a row depends on how many keys the call
 sees. Every call therefore attends over the whole cache buffer, masked, whose length is a
-multiple of the kernel's 512-key block (kv_cache.py); masked blocks add exact zeros.
+multiple of the kernel's 512-key block (kv_cache.py); masked blocks add exact zeros, so
+a call reads only the blocks up to its last new slot. Within a block the kernel's sums
+group keys by slot too, so a tree pass attends path by path (path_attention.py).
 
 Left out: sliding windows, rope types other than default and llama3, anything but
 silu MLPs; `load.py` sends such models to the transformers adapter.
@@ -36,8 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import BLOCK, KVCache
 from .linear import Linear
+from .path_attention import PathPlan, plan_paths
 from .weights import load_weights
 
 
@@ -83,6 +86,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def key_slots(end: int, max_len: int) -> int:
+    """Slots an attention call reads: whole kernel blocks up to slot `end` (see above)."""
+    return min(max_len, -(-end // BLOCK) * BLOCK)
 
 
 class NativeModel:
@@ -195,7 +203,11 @@ class NativeModel:
         if cos.dim() == 3:
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd) broadcast over heads
         group = c.num_heads // c.num_kv_heads
-        attn_mask = self._attention_mask(mask, T, start, cache.max_len, group)
+        plans = plan_paths(mask, start) if mask is not None and B == 1 else None
+        if plans is None:
+            attention = [(None, self._attention_mask(mask, T, start, cache.max_len, group))]
+        else:
+            attention = [(plan, self._path_mask(plan, start, cache.max_len, group)) for plan in plans]
 
         x = F.embedding(tokens, self.embed)  # (B, T, H)
         hidden: dict[int, torch.Tensor] = {}
@@ -203,7 +215,7 @@ class NativeModel:
             hidden[0] = x
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            x = x + self._attention(layer, h, cos, sin, cache, i, attn_mask, group)
+            x = x + self._attention(layer, h, cos, sin, cache, i, attention, group)
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
@@ -219,7 +231,7 @@ class NativeModel:
 
     __call__ = forward
 
-    def _attention_mask(self, mask: torch.Tensor | None, T: int, start: int, max_len: int, group: int) -> torch.Tensor | None:
+    def _attention_mask(self, mask: torch.Tensor | None, T: int, start: int, max_len: int, group: int) -> torch.Tensor:
         """Boolean mask shaped for attention with query heads folded into the length."""
         if mask is None:
             slots = torch.arange(start + T)
@@ -228,12 +240,19 @@ class NativeModel:
             raise ValueError(f"mask must be (..., {T}, {start + T}) over the cache, got {tuple(mask.shape)}")
         if mask.dim() == 2:
             mask = mask[None]
-        mask = F.pad(mask, (0, max_len - start - T), value=False)  # slots past the new tokens
+        mask = F.pad(mask, (0, key_slots(start + T, max_len) - start - T), value=False)  # past the new tokens
         # rows (g, t) in the folded layout, so repeat the T rows once per query head in a group
-        return mask[:, None].repeat(1, 1, group, 1)  # (B or 1, 1, group*T, max_len)
+        return mask[:, None].repeat(1, 1, group, 1)  # (B or 1, 1, group*T, key slots)
 
-    def _attention(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   cache: KVCache, index: int, attn_mask: torch.Tensor | None, group: int) -> torch.Tensor:
+    def _path_mask(self, plan: PathPlan, start: int, max_len: int, group: int) -> torch.Tensor:
+        """Causal mask for a path's queries over the path written at slots start, start + 1, ..."""
+        end = start + len(plan.nodes)
+        slots = torch.arange(key_slots(end, max_len))
+        rows = start + torch.arange(plan.first_query, len(plan.nodes))
+        return (slots[None, :] <= rows[:, None])[None, None].repeat(1, 1, group, 1)
+
+    def _attention(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                   index: int, attention: list[tuple[PathPlan | None, torch.Tensor]], group: int) -> torch.Tensor:
         c = self.config
         B, T, _ = x.shape
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
@@ -243,8 +262,24 @@ class NativeModel:
         v = v.view(B, T, nkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        plan, attn_mask = attention[0]
+        if plan is None:
+            out = self._attend(q, k, v, cache, index, attn_mask, group)
+        else:
+            out = torch.empty_like(q)
+            for plan, attn_mask in attention:
+                out[:, :, plan.queries] = self._attend(
+                    q[:, :, plan.queries], k[:, :, plan.nodes], v[:, :, plan.nodes], cache, index, attn_mask, group)
+            cache.write(index, k, v)  # every node in its own slot again, for compact
+        return layer.o(out.transpose(1, 2).reshape(B, T, nh * hd))
+
+    @staticmethod
+    def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, index: int,
+                attn_mask: torch.Tensor, group: int) -> torch.Tensor:
+        """Write k, v (B, nkv, L, hd) at the cache's next slots; q (B, nh, Q, hd) attends there."""
+        B, nh, Q, hd = q.shape
         keys, values = cache.write(index, k, v)  # (B, nkv, max_len, hd), the whole buffer
-        q = q.reshape(B, nkv, group * T, hd)  # query heads of a group folded into the length
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask)
-        out = out.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
-        return layer.o(out)
+        n = attn_mask.shape[-1]
+        q = q.reshape(B, nh // group, group * Q, hd)  # query heads of a group folded into the length
+        out = F.scaled_dot_product_attention(q, keys[:, :, :n], values[:, :, :n], attn_mask=attn_mask)
+        return out.view(B, nh, Q, hd)
