@@ -1,0 +1,73 @@
+"""The bf16 linear layer: the AMX kernel against F.linear, and its rows' independence.
+
+Greedy identity in bf16 rests on this: a verify pass over many tokens must give each
+token bitwise the product of a one-token pass. The AMX kernel computes every row with the
+same tile instructions in the same order, so that holds for any number of rows; oneDNN's
+packed product holds it up to 11 rows only.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode.models import amx
+from specdecode.models.linear import Linear
+
+needs_amx = pytest.mark.skipif(amx.kernel() is None, reason="no AMX kernel on this machine")
+
+
+def weights(out_features: int, in_features: int, seed: int, bias: bool = True):
+    generator = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_features, in_features, generator=generator) * 0.05).bfloat16()
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    return w, b
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", [(2048, 1536), (100, 40), (64, 32), (7, 70)])
+def test_amx_product_matches_fp32_reference_within_bf16_rounding(shape):
+    w, b = weights(*shape, seed=0)
+    layer = Linear(w, b)
+    assert layer.backend == "amx"
+    x = torch.randn(3, 5, shape[1]).bfloat16()
+    got = layer(x)
+    want = F.linear(x.float(), w.float(), b.float())  # exact up to fp32 sums
+    assert got.shape == (3, 5, shape[0]) and got.dtype == torch.bfloat16
+    # one bf16 rounding of the result (2^-8 relative) plus fp32 summation order
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
+
+
+@needs_amx
+@pytest.mark.parametrize("shape", [(960, 576), (130, 100)])
+def test_amx_rows_do_not_depend_on_the_row_count(shape):
+    w, b = weights(*shape, seed=1)
+    layer = Linear(w, b)
+    x = torch.randn(40, shape[1]).bfloat16()
+    together = layer(x)
+    for rows in (1, 2, 11, 16, 17, 33):
+        assert torch.equal(layer(x[:rows]), together[:rows]), rows
+    for row in (0, 15, 16, 39):
+        assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
+
+
+def test_without_the_kernel_bf16_weights_go_to_onednn(monkeypatch):
+    monkeypatch.setattr(amx, "kernel", lambda: None)
+    w, b = weights(96, 64, seed=2)
+    layer = Linear(w, b)
+    assert layer.backend == "onednn"
+    x = torch.randn(4, 64).bfloat16()
+    torch.testing.assert_close(layer(x).float(), F.linear(x.float(), w.float(), b.float()), rtol=2**-8, atol=1e-3)
+    assert Linear(w.float(), b.float()).backend == "torch"
+
+
+def test_an_unknown_kernel_choice_is_refused(monkeypatch):
+    from specdecode.errors import SpecDecodeError
+
+    monkeypatch.setenv(amx.KERNEL_ENV, "fast")
+    amx.kernel.cache_clear()
+    try:
+        with pytest.raises(SpecDecodeError, match="SPECDECODE_KERNEL"):
+            amx.kernel()
+    finally:
+        monkeypatch.delenv(amx.KERNEL_ENV)
+        amx.kernel.cache_clear()
