@@ -62,6 +62,26 @@ def best_k(alpha: float, costs: CostModel, k_max: int) -> tuple[int, float]:
     return max(((k, costs.speedup(alpha, k)) for k in range(k_max + 1)), key=lambda kv: kv[1])
 
 
+def speedup_from_rounds(rounds: Sequence[tuple[int, int]], costs: CostModel, k: int) -> float:
+    """Expected speedup at draft length k, from greedy rounds (drafted d, accepted a)
+    observed at a probing length >= k.
+
+    With k drafts a round would have drafted min(d, k) and accepted min(a, k): greedy
+    drafts are the same first k tokens either way. No i.i.d. assumption, so bursty
+    acceptance (prompt lookup copying a long span, then finding nothing) counts as it is.
+    """
+    if k == 0 or not rounds:
+        return 1.0
+    tokens = sum(1 + min(a, k) for _, a in rounds)
+    cost = sum(costs.cost(min(d, k)) for d, _ in rounds)
+    return tokens / cost
+
+
+def best_k_from_rounds(rounds: Sequence[tuple[int, int]], costs: CostModel, k_max: int) -> tuple[int, float]:
+    """(k, expected speedup) maximising speedup_from_rounds; k = 0 means off."""
+    return max(((k, speedup_from_rounds(rounds, costs, k)) for k in range(k_max + 1)), key=lambda kv: kv[1])
+
+
 class FixedK:
     def __init__(self, k: int):
         self.k = k

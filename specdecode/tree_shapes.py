@@ -12,9 +12,11 @@ round, on average
 (the 1 is the correction or bonus token). `grow_tree` adds nodes best-first by that
 product, which keeps the tree prefix-closed (a child never beats its parent), so the
 tree with n nodes is the best n-node tree under the independence assumption.
-`choose_tree` then picks n by expected tokens per second: E[tokens] / (v(n+1) + c),
-with v the target's pass over n+1 tokens relative to one (tune.py measures it) and c
-the drafter's cost per round relative to a plain step.
+`choose_tree` then picks n by expected tokens per second:
+E[tokens] / (v(n+1) + c + (leaves - 1) l), with v the target's pass over n+1 tokens
+relative to one (tune.py measures it), c the drafter's cost per round relative to a
+plain step, and l what each root-to-leaf path beyond the first adds to the pass (exact
+bf16 trees attend path by path, models/path_attention.py; tune.measure_leaf_cost).
 """
 
 from __future__ import annotations
@@ -53,15 +55,23 @@ def grow_tree(accuracy: Sequence[Sequence[float]], num_nodes: int) -> list[Path]
     return paths
 
 
+def num_leaves(paths: Sequence[Path]) -> int:
+    """Root-to-leaf paths of a tree (the root alone is one)."""
+    parents = {p[:-1] for p in paths}
+    return max(1, sum(1 for p in paths if p not in parents))
+
+
 def choose_tree(accuracy: Sequence[Sequence[float]], verify_ratios: Sequence[float], draft_ratio: float,
-                max_nodes: int) -> tuple[list[Path], float]:
+                max_nodes: int, leaf_ratio: float = 0.0) -> tuple[list[Path], float]:
     """(paths, expected speedup over plain decoding) of the best tree of at most max_nodes
-    nodes; verify_ratios[n-1] = the target's pass over n tokens / over one."""
+    nodes; verify_ratios[n-1] = the target's pass over n tokens / over one; leaf_ratio =
+    the pass's extra cost per root-to-leaf path beyond the first."""
     best: tuple[list[Path], float] = ([], 1.0)
     grown = grow_tree(accuracy, max_nodes)
     for n in range(1, len(grown) + 1):
         v = verify_ratios[min(n, len(verify_ratios) - 1)]  # pass over n nodes + the root
-        speedup = expected_tokens_of_tree(grown[:n], accuracy) / (v + draft_ratio)
+        paths_cost = (num_leaves(grown[:n]) - 1) * leaf_ratio
+        speedup = expected_tokens_of_tree(grown[:n], accuracy) / (v + draft_ratio + paths_cost)
         if speedup > best[1]:
             best = (grown[:n], speedup)
     return best

@@ -2,14 +2,19 @@
 
 It measures, on this machine and in one process:
 - the target's verify-cost curve: time of one pass over n tokens, n = 1..64;
-- each drafter's cost per draft token (a draft model's one-token pass; prompt lookup ~0);
-- per category and drafter, the per-position acceptance α (the geometric maximum-likelihood estimate
-  from greedy generations at a probing k) on the built-in suites or a prompt file.
-Then, per category, it picks the drafter and k that maximise expected tokens per second
-under the cost model of adaptive.py (k = 0, "off", when nothing beats plain decoding), and
-saves a profile (JSON) that `generate --profile`, `demo --profile`, `bench --methods tuned`
-and the API use: the category's drafter is built, and its cost model and α seed the
-adaptive policy, which then follows the acceptance it observes.
+- per category and drafter, greedy generations at a probing k on the built-in suites or a
+  prompt file, which give the rounds (drafted, accepted), the per-position acceptance α
+  (geometric maximum-likelihood estimate) and what drafting really costs per draft token
+  in a generation (a draft model's passes, its catch-up pass included; prompt lookup ~0).
+  A drafter's pass timed alone costs about half of that, which made `tune` overrate the
+  draft model (session 2), so the in-generation figure is the one used.
+Then, per category, it picks the drafter and k that maximise expected tokens per second,
+computed from the observed rounds (adaptive.speedup_from_rounds; no i.i.d. assumption, so
+prompt lookup's bursts count as they are), k = 0 ("off") when nothing beats plain decoding.
+It saves a profile (JSON) that `generate --profile`, `demo --profile`, `bench --methods
+tuned` and the API use: the category's drafter is built with the chosen k; a draft model
+gets the adaptive policy seeded with its costs and α, which follows the acceptance it
+observes and switches drafting off when it stops paying.
 
 Left out: sampling-temperature-specific acceptance (measured greedy), tree shapes.
 """
@@ -24,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .adaptive import AdaptiveK, CostModel, best_k
+from .adaptive import AdaptiveK, CostModel, best_k, best_k_from_rounds
 from .errors import SpecDecodeError
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
@@ -56,6 +61,28 @@ def measure_verify_curve(model, sizes=VERIFY_SIZES, context: int = 256, repeats:
     """The target's pass over n tokens, n in sizes, interleaved."""
     seconds = measure_passes({str(n): (model, n) for n in sizes}, context, repeats)
     return {n: seconds[str(n)] for n in sizes}
+
+
+def measure_leaf_cost(model, num_leaves: int = 8, context: int = 256, repeats: int = 5) -> float:
+    """Seconds each root-to-leaf path beyond the first adds to a tree pass: a tree pass
+    attends once per path (models/path_attention.py). Timed as a star of num_leaves
+    children of the root against a chain of as many tokens, interleaved."""
+    from .trees import build_tree, chain_tree, tree_attention
+
+    cache = model.new_cache(1, context + num_leaves + 2)
+    model(torch.randint(0, model.vocab_size, (1, context)), cache, num_logits=1)
+    shapes = {"star": build_tree([(i,) for i in range(num_leaves)]), "chain": chain_tree(num_leaves)}
+    times: dict[str, list[float]] = {name: [] for name in shapes}
+    for _ in range(repeats + 1):  # the first round is a warm-up
+        for name, tree in shapes.items():
+            positions, mask = tree_attention(tree, cache.length)
+            tokens = torch.randint(0, model.vocab_size, (1, tree.num_nodes))
+            started = time.perf_counter()
+            model(tokens, cache, positions=positions, mask=mask)
+            times[name].append(time.perf_counter() - started)
+            cache.rewind(tree.num_nodes)
+    star, chain = (statistics.median(times[name][1:]) for name in shapes)
+    return max(0.0, (star - chain) / (num_leaves - 1))
 
 
 def cost_model(verify_seconds: dict[int, float], draft_step_s: float) -> CostModel:
@@ -92,27 +119,43 @@ class Profile:
     target: str
     dtype: str
     verify_seconds: dict[int, float]
-    drafters: dict[str, dict]  # name -> {"draft": model name or None, "step_s": seconds per draft token}
+    # name -> {"draft": model name or None, "step_s": seconds per draft token in a generation,
+    #          "step_s_alone": its pass timed alone}
+    drafters: dict[str, dict]
     k_max: int = 8
-    # name -> {"alpha": {drafter: α}, "drafter": best drafter, "k": its k (0 = off), "expected_speedup"}
+    # name -> {"alpha": {drafter: α}, "rounds": {drafter: [[drafted, accepted], ...]},
+    #          "drafter": best drafter, "k": its k (0 = off), "expected_speedup"}
     categories: dict[str, dict] = field(default_factory=dict)
+
+    # Below this draft cost (a fraction of a target step) drafting is free, as prompt lookup's
+    # is: its k is fixed from the rounds, since α-based adaptation undervalues its bursts.
+    FREE_DRAFT = 0.02
 
     def costs(self, drafter: str) -> CostModel:
         return cost_model(self.verify_seconds, self.drafters[drafter]["step_s"])
 
-    def decide(self, category: str, alphas: dict[str, float]) -> dict:
+    def best(self, name: str, alpha: float, rounds: list | None) -> tuple[int, float]:
+        """(k, expected speedup) of a drafter: from its observed rounds, else from α."""
+        if rounds:
+            return best_k_from_rounds(rounds, self.costs(name), self.k_max)
+        return best_k(alpha, self.costs(name), self.k_max)
+
+    def decide(self, category: str, alphas: dict[str, float], rounds: dict[str, list] | None = None) -> dict:
         """Per category, the drafter and k that maximise expected speedup (k = 0: off)."""
-        options = {name: best_k(alpha, self.costs(name), self.k_max) for name, alpha in alphas.items()}
+        rounds = rounds or {}
+        options = {name: self.best(name, alpha, rounds.get(name)) for name, alpha in alphas.items()}
         name = max(options, key=lambda n: options[n][1])
         k, speedup = options[name]
-        self.categories[category] = {"alpha": {n: round(a, 4) for n, a in alphas.items()}, "drafter": name,
-                                     "k": k, "expected_speedup": round(speedup, 3)}
+        self.categories[category] = {"alpha": {n: round(a, 4) for n, a in alphas.items()},
+                                     "rounds": {n: [list(r) for r in rs] for n, rs in rounds.items()},
+                                     "drafter": name, "k": k, "expected_speedup": round(speedup, 3)}
         return self.categories[category]
 
-    def choose(self, category: str | None = None, drafter: str | None = None) -> tuple[str, AdaptiveK]:
-        """(drafter, adaptive policy seeded with its costs and α) for a category, or for
-        prompts of unknown kind (α averaged over the categories). `drafter` overrides the
-        profile's pick."""
+    def choose(self, category: str | None = None, drafter: str | None = None) -> tuple[str, AdaptiveK | int]:
+        """(drafter, k) for a category, or for prompts of unknown kind (all categories'
+        rounds pooled, or α averaged). `drafter` overrides the profile's pick. k is an
+        adaptive policy seeded with the drafter's costs and α, or for a free drafter the
+        fixed k its rounds favour."""
         if category is not None and category not in self.categories:
             raise SpecDecodeError(f"the profile has no category {category!r}; it has {', '.join(self.categories)}")
         if drafter is not None and drafter not in self.drafters:
@@ -121,8 +164,13 @@ class Profile:
         chosen = self.categories.values() if category is None else [self.categories[category]]
         alphas = {name: statistics.mean(c["alpha"][name] for c in chosen) if chosen else 0.6
                   for name in self.drafters}
+        rounds = {name: [r for c in chosen for r in c.get("rounds", {}).get(name, [])] for name in self.drafters}
+        options = {name: self.best(name, alphas[name], rounds[name]) for name in self.drafters}
         if drafter is None:
-            drafter = max(alphas, key=lambda n: best_k(alphas[n], self.costs(n), self.k_max)[1])
+            drafter = max(options, key=lambda n: options[n][1])
+        k = options[drafter][0]
+        if k > 0 and self.costs(drafter).draft_ratio < self.FREE_DRAFT:
+            return drafter, k
         return drafter, AdaptiveK(self.costs(drafter), k_max=self.k_max, prior_alpha=alphas[drafter])
 
     def save(self, path: str | Path) -> Path:
@@ -183,31 +231,41 @@ def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None,
                 for name in drafter_names}
     log("measuring the target's pass over n = 1..64 tokens and each drafter's step")
     verify, steps = measure_costs(target.model, drafters)
-    profile = Profile(target_name, str(target.model.dtype).removeprefix("torch."), verify,
-                      {name: {"draft": draft_name if name == "draft-model" else None, "step_s": steps[name]}
-                       for name in drafters}, k_max=k_max)
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     by_category: dict[str, list] = {}
     for q in questions:
         by_category.setdefault(q.category, []).append(q)
+    observed: dict[str, dict[str, list]] = {}  # category -> drafter -> [(drafted, accepted)]
+    draft_s = {name: 0.0 for name in drafters}
+    drafted_total = {name: 0 for name in drafters}
     bar = tqdm(total=len(questions) * len(drafters), desc="acceptance", unit="run")
     for category, qs in by_category.items():
-        alphas = {}
         for name, drafter in drafters.items():
-            drafted, accepted = [], []
             for q in qs:
                 bar.set_postfix_str(f"{category} / {name}")
                 prompt_ids = encode_prompt(target.tokenizer, q.turns[0])
                 rounds = [e for e in decode(target.model, prompt_ids, stop, drafter=drafter, k=probe_k)
                           if isinstance(e, Round)][1:-1]  # not the prefill, nor the last (budget-cut) round
-                drafted += [r.num_drafted for r in rounds]
-                accepted += [r.num_accepted for r in rounds]
+                observed.setdefault(category, {}).setdefault(name, []).extend(
+                    (r.num_drafted, r.num_accepted) for r in rounds)
+                draft_s[name] += sum(r.draft_s for r in rounds)
+                drafted_total[name] += sum(r.num_drafted for r in rounds)
                 bar.update()
-            alphas[name] = alpha_mle(drafted, accepted)
-        choice = profile.decide(category, alphas)
+    bar.close()
+    # What a draft token costs inside generation (the draft model's catch-up pass included).
+    in_generation = {name: draft_s[name] / drafted_total[name] if drafted_total[name] else steps[name]
+                     for name in drafters}
+    profile = Profile(target_name, str(target.model.dtype).removeprefix("torch."), verify,
+                      {name: {"draft": draft_name if name == "draft-model" else None,
+                              "step_s": in_generation[name], "step_s_alone": steps[name]} for name in drafters},
+                      k_max=k_max)
+    log("draft cost per token / target step: " + ", ".join(
+        f"{n} {profile.costs(n).draft_ratio:.3f} (alone {steps[n] / verify[1]:.3f})" for n in drafters))
+    for category, rounds in observed.items():
+        alphas = {name: alpha_mle([d for d, _ in rs], [a for _, a in rs]) for name, rs in rounds.items()}
+        choice = profile.decide(category, alphas, rounds)
         log(f"{category}: α " + ", ".join(f"{n} {a:.2f}" for n, a in alphas.items())
             + f" -> {choice['drafter']} k = {choice['k'] or 'off'}, expected {choice['expected_speedup']:.2f}x")
-    bar.close()
     return profile
 
 

@@ -7,7 +7,15 @@ import random
 import pytest
 import torch
 
-from specdecode.adaptive import AdaptiveK, CostModel, FixedK, best_k, expected_tokens
+from specdecode.adaptive import (
+    AdaptiveK,
+    CostModel,
+    FixedK,
+    best_k,
+    best_k_from_rounds,
+    expected_tokens,
+    speedup_from_rounds,
+)
 from specdecode.drafters import DraftModel
 from specdecode.engine import decode
 from specdecode.errors import SpecDecodeError
@@ -113,10 +121,10 @@ def test_profile_chooses_drafter_and_k_per_category_and_round_trips(tmp_path):
     assert loaded == profile
     name, policy = loaded.choose("code")
     assert name == "draft-model" and policy.prior_alpha == 0.9 and policy.costs.draft_ratio == pytest.approx(0.3)
-    name, policy = loaded.choose("code", drafter="prompt-lookup")
-    assert name == "prompt-lookup" and policy.prior_alpha == 0.3
-    name, policy = loaded.choose()  # unknown kind: mean α, 0.37 for lookup beats 0.63 at c = 0.3
-    assert name == "prompt-lookup" and policy.prior_alpha == pytest.approx(1.1 / 3)
+    name, k = loaded.choose("code", drafter="prompt-lookup")  # free drafting: a fixed k
+    assert name == "prompt-lookup" and k == best_k(0.3, profile.costs("prompt-lookup"), 8)[0]
+    name, k = loaded.choose()  # unknown kind: mean α, 0.37 for lookup beats 0.63 at c = 0.3
+    assert name == "prompt-lookup" and k == best_k(1.1 / 3, profile.costs("prompt-lookup"), 8)[0]
     with pytest.raises(SpecDecodeError, match="no category"):
         loaded.choose("poetry")
     with pytest.raises(SpecDecodeError, match="measured"):
@@ -132,3 +140,37 @@ def test_cost_model_from_measured_seconds():
     costs = cost_model({1: 2.0, 3: 2.2, 5: 3.0}, draft_step_s=0.5)
     assert costs.draft_ratio == 0.25
     assert costs.verify_ratios == pytest.approx((1.0, 1.05, 1.1, 1.3, 1.5))
+
+
+def test_speedup_from_rounds_replays_each_round_at_a_shorter_k():
+    costs = CostModel(0.1, FLAT)
+    # (drafted, accepted) at a probing k of 8: a full copy, a miss, a round rejected at 2
+    rounds = [(8, 8), (0, 0), (8, 1)]
+    # at k = 2: tokens 3 + 1 + 2; cost: 2 drafts + a pass over 3, one plain step, 2 drafts + 3
+    assert speedup_from_rounds(rounds, costs, 2) == pytest.approx(6 / (2 * (0.2 + FLAT[2]) + FLAT[0]))
+    assert speedup_from_rounds(rounds, costs, 0) == 1.0 == speedup_from_rounds([], costs, 3)
+    k, speedup = best_k_from_rounds(rounds, costs, 8)
+    assert speedup == max(speedup_from_rounds(rounds, costs, j) for j in range(9))
+    assert speedup_from_rounds(rounds, costs, k) == speedup
+
+
+def test_profile_values_bursty_lookup_by_its_rounds(tmp_path):
+    """Prompt lookup copies whole spans or finds nothing. Its rounds give what that is
+    worth (9 tokens for a pass in a third of the rounds, 1 in the rest: 3.5x), where the
+    i.i.d. model of its α = 0.8 would promise 3.85x; the profile keeps the rounds' figure."""
+    verify = {1: 0.10, 2: 0.101, 4: 0.103, 8: 0.11, 16: 0.13}
+    drafters = {"draft-model": {"draft": "d", "step_s": 0.03}, "prompt-lookup": {"draft": None, "step_s": 0.0}}
+    profile = Profile("t", "bfloat16", verify, drafters)
+    lookup = [(8, 8)] * 4 + [(0, 0)] * 8
+    model = [(4, 3), (4, 4), (4, 2), (4, 4), (4, 3)] * 2
+    alphas = {"draft-model": alpha_mle(*zip(*model)), "prompt-lookup": alpha_mle(*zip(*lookup))}
+    choice = profile.decide("summarization", alphas, {"draft-model": model, "prompt-lookup": lookup})
+    assert choice["drafter"] == "prompt-lookup" and choice["k"] == 8
+    assert choice["expected_speedup"] == pytest.approx(
+        speedup_from_rounds(lookup, profile.costs("prompt-lookup"), 8), abs=1e-3)
+    assert choice["expected_speedup"] == pytest.approx(44 / (4 * 1.125 + 8), abs=1e-3)  # a pass over 9: 1.125
+    assert best_k(alphas["prompt-lookup"], profile.costs("prompt-lookup"), 8)[1] == pytest.approx(3.85, abs=0.01)
+    loaded = Profile.load(profile.save(tmp_path / "p.json"))
+    assert loaded.choose("summarization") == ("prompt-lookup", 8)
+    name, policy = loaded.choose("summarization", drafter="draft-model")  # a paid drafter adapts
+    assert name == "draft-model" and isinstance(policy, AdaptiveK)

@@ -108,3 +108,18 @@ def test_tree_shape_choice_follows_acceptance_and_cost():
     shallow = choose_shape(poor, flat, draft_depth_ratio=0.2)
     assert deep["depth"] >= 4 and deep["num_nodes"] == 10
     assert shallow["depth"] < deep["depth"]
+    useless = choose_shape([[0.01, 0.0]] * 3, flat, draft_depth_ratio=0.2)
+    assert useless == {"depth": 0, "top_k": 0, "num_nodes": 0, "expected_speedup": 1.0}  # drafting off
+
+
+def test_tree_size_is_bounded_where_bf16_rows_are_invariant_only_up_to_a_count():
+    from specdecode.training.medusa import MAX_TREE_NODES, max_tree_nodes
+
+    class OneDNN:
+        row_invariant_rows = 11
+
+    class Any:
+        row_invariant_rows = None
+
+    assert max_tree_nodes(OneDNN()) == 10  # root + 10 nodes = 11 rows
+    assert max_tree_nodes(Any()) == MAX_TREE_NODES

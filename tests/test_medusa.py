@@ -11,7 +11,7 @@ from specdecode.models.native import NativeModel
 from specdecode.stopping import StopCondition
 from specdecode.training.features import Features, collect as collect_features
 from specdecode.training.medusa import TrainConfig, head_labels, train
-from specdecode.tree_shapes import choose_tree, expected_tokens_of_tree, grow_tree
+from specdecode.tree_shapes import choose_tree, expected_tokens_of_tree, grow_tree, num_leaves
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
 
@@ -110,3 +110,15 @@ def test_tree_shape_grows_best_first_and_pays_for_its_cost():
     paths, _ = choose_tree(accuracy, steep, 0.05, 10)
     assert len(paths) <= 2  # each extra node costs 30% of a step: only the likeliest pay
     assert choose_tree([[0.01]], steep, 0.5, 10) == ([], 1.0)  # nothing pays: off
+
+
+def test_each_extra_root_to_leaf_path_costs_its_attention():
+    assert num_leaves([]) == 1 and num_leaves([(0,), (0, 0), (0, 0, 0)]) == 1
+    assert num_leaves([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]) == 3  # leaves (1,), (0, 1), (0, 0, 0)
+    accuracy = [[0.6, 0.2, 0.1], [0.5, 0.25, 0.1], [0.4, 0.1, 0.05]]
+    flat = [1.0] * 12
+    free, _ = choose_tree(accuracy, flat, 0.05, 10, leaf_ratio=0.0)
+    dear, speedup = choose_tree(accuracy, flat, 0.05, 10, leaf_ratio=0.2)
+    assert num_leaves(dear) < num_leaves(free)  # paid paths: fewer branches
+    tokens = expected_tokens_of_tree(dear, accuracy)
+    assert speedup == pytest.approx(tokens / (1.0 + 0.05 + 0.2 * (num_leaves(dear) - 1)))

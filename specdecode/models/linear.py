@@ -33,6 +33,12 @@ def _can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+# Rows up to which a product's rows are bitwise independent of the row count, per backend:
+# any number on AMX (one tile code path), 11 on oneDNN's packing (measured), any in fp32
+# F.linear here (tested through greedy identity). A bf16 verify pass must stay within it.
+ROW_INVARIANT_ROWS = {"amx": None, "onednn": 11, "torch": None}
+
+
 class Linear:
     """y = x @ weight.T + bias, for x of shape (..., in_features)."""
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import BLOCK, KVCache
-from .linear import Linear
+from .linear import ROW_INVARIANT_ROWS, Linear
 from .path_attention import PathPlan, plan_paths
 from .weights import load_weights
 
@@ -165,6 +165,14 @@ class NativeModel:
         per_layer = [l.qkv.nbytes + l.o.nbytes + l.gate_up.nbytes + l.down.nbytes
                      + 2 * l.attn_norm.numel() * l.attn_norm.element_size() for l in self.layers]
         return sum(per_layer) + self.lm_head.nbytes
+
+    @property
+    def row_invariant_rows(self) -> int | None:
+        """The most tokens a pass may hold and still give each bitwise a one-token pass's
+        logits (None: any number); linear.py."""
+        limits = [ROW_INVARIANT_ROWS[l.backend] for l in self.layers for l in (l.qkv, l.o, l.gate_up, l.down)]
+        limits = [n for n in limits + [ROW_INVARIANT_ROWS[self.lm_head.backend]] if n is not None]
+        return min(limits, default=None)
 
     @property
     def memory_bytes(self) -> int:

@@ -23,7 +23,7 @@ from .. import eagle
 from ..tree_shapes import choose_tree
 from .loop import Checkpoint, reduced_vocabulary, run_steps
 from .features import Features
-from .medusa import MAX_TREE_NODES, lm_head_weight, split
+from .medusa import lm_head_weight, max_tree_nodes, split
 
 TOKEN_LOSS_WEIGHT = 0.1
 
@@ -166,12 +166,15 @@ def depth_accuracy(head, target, features: Features, docs, max_depth: int = 5, t
     return [[round(h / max(1, counts[d]), 4) for h in hits[d]] for d in range(max_depth)]
 
 
-def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: int = 10) -> dict:
+def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: int = 10,
+                 leaf_ratio: float = 0.0) -> dict:
     """Depth, top-k and number of nodes of the dynamic tree: the static tree of highest
-    expected speedup for each depth (a draft costs depth x one head step), best of all."""
-    best = {"depth": 1, "top_k": 1, "num_nodes": 1, "expected_speedup": 0.0}
+    expected speedup for each depth (a draft costs depth x one head step), best of all.
+    Depth 0 (drafting off) when no tree is expected to beat plain decoding."""
+    best = {"depth": 0, "top_k": 0, "num_nodes": 0, "expected_speedup": 1.0}
     for depth in range(1, len(accuracy) + 1):
-        paths, speedup = choose_tree(accuracy[:depth], verify_ratios, depth * draft_depth_ratio, max_nodes)
+        paths, speedup = choose_tree(accuracy[:depth], verify_ratios, depth * draft_depth_ratio, max_nodes,
+                                     leaf_ratio)
         if paths and speedup > best["expected_speedup"]:
             best = {"depth": max(map(len, paths)), "top_k": max(p[-1] for p in paths) + 1,
                     "num_nodes": len(paths), "expected_speedup": round(speedup, 3)}
@@ -195,14 +198,16 @@ def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: in
 def measure_shape(model, head, features: Features, log=print) -> dict:
     """Held-out accuracy by depth and rank, this machine's verify and head-step costs, and
     the dynamic tree's depth, top-k and size chosen from them."""
-    from ..tune import cost_model, measure_verify_curve
+    from ..tune import cost_model, measure_leaf_cost, measure_verify_curve
 
     head = head.to(model.dtype).eval()
     _, held_idx = split(features)
     accuracy = depth_accuracy(head, model, features, documents(features, held_idx)[:40])
-    verify = measure_verify_curve(model, sizes=tuple(range(1, MAX_TREE_NODES + 2)), repeats=3)
+    max_nodes = max_tree_nodes(model)
+    verify = measure_verify_curve(model, sizes=tuple(range(1, max_nodes + 2)), repeats=3)
+    leaf_ratio = measure_leaf_cost(model) / verify[1]
     costs = cost_model(verify, _time_head_step(model, head))
-    shape = choose_shape(accuracy, costs.verify_ratios, costs.draft_ratio, MAX_TREE_NODES)
+    shape = choose_shape(accuracy, costs.verify_ratios, costs.draft_ratio, max_nodes, leaf_ratio)
     log(f"accuracy by depth (top-1) {[a[0] for a in accuracy]}; tree: depth {shape['depth']}, "
         f"top-{shape['top_k']}, {shape['num_nodes']} nodes, expected {shape['expected_speedup']:.2f}x")
     return shape | {"accuracy": accuracy, "head_step_ratio": round(costs.draft_ratio, 4)}

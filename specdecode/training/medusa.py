@@ -31,7 +31,14 @@ from ..tree_shapes import choose_tree
 from .loop import Checkpoint, reduced_vocabulary, run_steps
 from .features import Features
 
-MAX_TREE_NODES = 10  # root + 10 nodes = 11 rows: the packed bf16 product stays row-invariant (linear.py)
+MAX_TREE_NODES = 24  # a bound on the search; the measured verify curve decides the size
+
+
+def max_tree_nodes(model) -> int:
+    """The largest tree worth searching: MAX_TREE_NODES, or fewer where bf16 products keep
+    rows bitwise independent only up to some count (oneDNN: 11 rows = root + 10 nodes)."""
+    rows = getattr(model, "row_invariant_rows", None)
+    return MAX_TREE_NODES if rows is None else min(MAX_TREE_NODES, rows - 1)
 TOP_RANKS = 4
 
 
@@ -150,13 +157,16 @@ def train(target, features: Features, lm_weight: torch.Tensor, config: TrainConf
 
 def pick_tree(target, heads, accuracy, log=print) -> tuple[list[tuple[int, ...]], float]:
     """The tree for these heads on this machine: measured verify cost and draft cost."""
-    from ..tune import cost_model, measure_verify_curve
+    from ..tune import cost_model, measure_leaf_cost, measure_verify_curve
 
-    verify = measure_verify_curve(target, sizes=tuple(range(1, MAX_TREE_NODES + 2)), repeats=3)
+    max_nodes = max_tree_nodes(target)
+    verify = measure_verify_curve(target, sizes=tuple(range(1, max_nodes + 2)), repeats=3)
+    leaf_ratio = measure_leaf_cost(target) / verify[1]
     draft_s = _time_draft(target, heads)
     costs = cost_model(verify, draft_s)
-    paths, speedup = choose_tree(accuracy, costs.verify_ratios, costs.draft_ratio, MAX_TREE_NODES)
-    log(f"tree of {len(paths)} nodes, expected {speedup:.2f}x (draft {costs.draft_ratio:.3f} of a step)")
+    paths, speedup = choose_tree(accuracy, costs.verify_ratios, costs.draft_ratio, max_nodes, leaf_ratio)
+    log(f"tree of {len(paths)} nodes, expected {speedup:.2f}x (draft {costs.draft_ratio:.3f} of a step, "
+        f"{leaf_ratio:.3f} per extra path)")
     return paths, speedup
 
 
