@@ -38,7 +38,7 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DRAFTERS = ("draft-model", "prompt-lookup", "medusa", "draft-tree", "eagle")
 # Top-2 at the first two depths, then top-1: 10 candidates, which with the root is the most
-# rows a bf16 verify pass keeps row-invariant (models/linear.py).
+# rows a bf16 verify pass keeps row-invariant on oneDNN (models/linear.py; AMX: any number).
 DEFAULT_TREE_WIDTHS = (2, 2, 1)
 # Measured with `specdecode bench` on the Qwen pair (README): k = 2 was best or within 6% on
 # every kind of prompt, where larger k lost up to 20% on prose.

@@ -88,7 +88,11 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
     assert record["held_out_loss_after"] < 0.7 * record["held_out_loss_before"]
     assert record["held_out_top1_after"] > record["held_out_top1_before"]
     shape = measure_shape(model, head, features, log=lambda _: None)
-    assert 1 <= shape["depth"] <= 5 and 1 <= shape["top_k"] <= 4 and 1 <= shape["num_nodes"] <= 10
+    # a tiny model's step is mostly overhead, so whether a tree pays depends on this machine's
+    # timings: off (all zero) or a shape within the search bounds (the choice itself is
+    # tested on fixed figures below)
+    off = shape["depth"] == shape["top_k"] == shape["num_nodes"] == 0 and shape["expected_speedup"] == 1.0
+    assert off or (1 <= shape["depth"] <= 5 and 1 <= shape["top_k"] <= 4 and 1 <= shape["num_nodes"] <= 24)
     assert len(shape["accuracy"]) == 5 and all(0 <= a <= 1 for row in shape["accuracy"] for a in row)
     assert shape["accuracy"][0][0] > 0.5  # the grammar is easy: the trained head reads it at depth 1
     head.config.tree = shape

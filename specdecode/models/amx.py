@@ -1,4 +1,5 @@
-"""The AMX bf16 linear kernel (amx_linear.cpp): built once per machine, loaded on demand.
+"""The AMX bf16 linear kernel (amx_linear.cpp) and the fused small ops of a bf16 layer
+(cpu_ops.cpp): one extension, built once per machine, loaded on demand.
 
 `kernel()` returns the compiled module, or None where it cannot run (no AMX, no compiler)
 so that `Linear` falls back to oneDNN. The build (about 30 s) goes to
@@ -23,7 +24,7 @@ from .store import home
 
 KERNEL_ENV = "SPECDECODE_KERNEL"
 CHOICES = ("auto", "amx", "onednn")
-SOURCE = Path(__file__).with_name("amx_linear.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "cpu_ops.cpp")]
 GROUP, STEP = 64, 32  # outputs per packed group, K per tile step (see amx_linear.cpp)
 
 
@@ -59,14 +60,14 @@ def kernel():
 def _build():
     from torch.utils.cpp_extension import load
 
-    tag = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()).hexdigest()[:12]
     build_dir = home() / "kernels" / f"amx-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / "specdecode_amx.so").exists():
         print("building the AMX bf16 kernel (once per machine, about 30 s)...", file=sys.stderr, flush=True)
     return load(
         name="specdecode_amx",
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         build_directory=str(build_dir),
         extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
         extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has already loaded

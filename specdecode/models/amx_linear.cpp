@@ -97,7 +97,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
   return y;
 }
 
+// cpu_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated, int64_t hd);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("request_amx", &request_amx);
   m.def("linear", &linear);
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rope_qkv", &rope_qkv);
+  m.def("silu_mul", &silu_mul);
 }

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import BLOCK, KVCache
+from .layer_ops import layer_ops, rms_norm, rotate_half  # noqa: F401 (re-exported)
 from .linear import ROW_INVARIANT_ROWS, Linear
 from .path_attention import PathPlan, plan_paths
 from .weights import load_weights
@@ -60,12 +61,6 @@ class Layer:
     down: Linear
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     hd = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
@@ -81,11 +76,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def key_slots(end: int, max_len: int) -> int:
@@ -132,6 +122,7 @@ class NativeModel:
         # The plain matrix, for training drafter heads through it (tied models only: an
         # untied head lives packed, and training reads it from the weights file instead).
         self.lm_head_weight = self.embed if head is None else None
+        self.ops = layer_ops(dtype)
         self._inv_freq = rope_inv_freq(c)
         self._cos = self._sin = torch.empty(0, c.head_dim)
 
@@ -208,8 +199,6 @@ class NativeModel:
         if positions is None:
             positions = torch.arange(start, start + T)
         cos, sin = self._rope(positions)  # (T, hd) or (B, T, hd)
-        if cos.dim() == 3:
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd) broadcast over heads
         group = c.num_heads // c.num_kv_heads
         plans = plan_paths(mask, start) if mask is not None and B == 1 else None
         if plans is None:
@@ -221,16 +210,17 @@ class NativeModel:
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
+        ops, eps = self.ops, c.rms_norm_eps
+        h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            x = x + self._attention(layer, h, cos, sin, cache, i, attention, group)
-            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, cache, i, attention, group),
+                                    layer.mlp_norm, eps)
+            next_norm = self.layers[i + 1].attn_norm if i + 1 < c.num_layers else self.norm
+            x, h = ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h))), next_norm, eps)
             if i + 1 in hidden_layers and i + 1 < c.num_layers:
                 hidden[i + 1] = x
         cache.advance(T)
-        x = rms_norm(x, self.norm, c.rms_norm_eps)
+        x = h  # the final norm of the last residual sum
         if c.num_layers in hidden_layers:
             hidden[c.num_layers] = x
         if num_logits is not None:
@@ -264,12 +254,7 @@ class NativeModel:
         c = self.config
         B, T, _ = x.shape
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        q, k, v = layer.qkv(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, nkv, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.ops.rope_qkv(layer.qkv(x), cos, sin, nh, nkv, hd)  # (B, nh | nkv, T, hd)
         plan, attn_mask = attention[0]
         if plan is None:
             out = self._attend(q, k, v, cache, index, attn_mask, group)

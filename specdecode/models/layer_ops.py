@@ -1,0 +1,84 @@
+"""The small operations of a decoder layer: torch ops, or the fused ones of cpu_ops.cpp.
+
+Both compute transformers' Llama numerics (RMSNorm in fp32, rounded to the model dtype
+before the weight; rotate-half rope and SiLU in the model dtype). The fused ones do each
+step in one call instead of several, which matters on CPU where a decoding step's small
+tensors cost more in dispatch than in arithmetic. They are used for bf16 when the
+extension is built (amx.py); fp32 stays on torch, where plain decoding is tested to
+equal transformers' `generate` token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import amx
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """(B, T, (nh + 2 nkv) hd) -> q (B, nh, T, hd), k and v (B, nkv, T, hd)."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(B, T, num_heads, head_dim).transpose(1, 2), k.view(B, T, num_kv_heads, head_dim).transpose(1, 2),
+            v.view(B, T, num_kv_heads, head_dim).transpose(1, 2))
+
+
+class TorchOps:
+    rms_norm = staticmethod(rms_norm)
+
+    @staticmethod
+    def add_rms_norm(x, delta, weight, eps):
+        """(x + delta, rms_norm(x + delta)): a residual add, then the next norm."""
+        x = x + delta
+        return x, rms_norm(x, weight, eps)
+
+    @staticmethod
+    def rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        """Split a fused qkv product into heads and rotate q and k; cos, sin (T, hd) or (B, T, hd)."""
+        q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
+        if cos.dim() == 3:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, hd) broadcast over heads
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    @staticmethod
+    def silu_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class FusedOps:
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        return amx.kernel().rms_norm(x.contiguous(), weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x, delta, weight, eps):
+        return tuple(amx.kernel().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps))
+
+    @staticmethod
+    def rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        table = (lambda t: t if t.dim() == 3 else t[None])
+        roped = amx.kernel().rope_qkv(qkv.contiguous(), table(cos).contiguous(), table(sin).contiguous(),
+                                      num_heads + num_kv_heads, head_dim)
+        return split_heads(roped, num_heads, num_kv_heads, head_dim)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        return amx.kernel().silu_mul(gate_up.contiguous())
+
+
+def layer_ops(dtype: torch.dtype):
+    """The fused ops for bf16 where the extension is built, else torch's."""
+    return FusedOps if dtype == torch.bfloat16 and amx.kernel() is not None else TorchOps
