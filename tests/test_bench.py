@@ -43,3 +43,16 @@ def test_bench_writes_rows_report_and_plots(tmp_path):
                                        "time_split.png"}
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == result["rows"]
     assert "| code-edit | prompt-lookup k=3 |" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.real
+def test_sampled_bench_runs_the_peers_sampling_too():
+    questions = [Question("1", "code-edit", ("Add type hints: def area(width, height):\n    return width * height",))]
+    result = run_bench(questions, "smollm2-135m-instruct", None, ("prompt-lookup",), lookup_k=3, max_new_tokens=8,
+                       repeats=1, temperature=0.7, seed=1, peers=True, log=lambda _: None)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert {"plain", "prompt-lookup", "transformers plain", "transformers prompt-lookup"} <= set(rows)
+    assert result["temperature"] == 0.7
+    # sampled runs draw other random numbers than plain decoding: identity is not asked of them
+    assert all(r["identical_to_plain"] is None for r in result["rows"])
+    assert rows["prompt-lookup"]["acceptance_rate"] is not None and rows["transformers plain"]["speedup"] > 0
