@@ -2,7 +2,7 @@
 (cpu_ops.cpp): one extension, built once per machine, loaded on demand.
 
 `kernel()` returns the compiled module, or None where it cannot run (no AMX, no compiler)
-so that `Linear` falls back to oneDNN. The build (about 30 s) goes to
+so that `Linear` falls back to oneDNN. The build (about a minute) goes to
 $SPECDECODE_HOME/kernels/, keyed by the source and torch version, and is reused after.
 SPECDECODE_KERNEL=onednn turns the kernel off; =amx makes its absence an error.
 """
@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -26,6 +27,7 @@ KERNEL_ENV = "SPECDECODE_KERNEL"
 CHOICES = ("auto", "amx", "onednn")
 SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "cpu_ops.cpp")]
 GROUP, STEP = 64, 32  # outputs per packed group, K per tile step (see amx_linear.cpp)
+STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a dead process
 
 
 def cpu_has_amx() -> bool:
@@ -58,13 +60,23 @@ def kernel():
 
 
 def _build():
+    import shutil
+
     from torch.utils.cpp_extension import load
+
+    if shutil.which("ninja") is None:  # the pip wheel's binary, when the venv is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
     tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()).hexdigest()[:12]
     build_dir = home() / "kernels" / f"amx-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    lock = build_dir / "lock"  # torch's build lock; a build killed midway leaves it behind forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
     if not (build_dir / "specdecode_amx.so").exists():
-        print("building the AMX bf16 kernel (once per machine, about 30 s)...", file=sys.stderr, flush=True)
+        print("building the AMX bf16 kernel (once per machine, about a minute)...", file=sys.stderr, flush=True)
     return load(
         name="specdecode_amx",
         sources=[str(p) for p in SOURCES],
