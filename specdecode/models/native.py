@@ -18,10 +18,10 @@ Batch invariance: a verify pass over k+1 tokens must give the same logits as k+1
 one-token passes, or greedy speculative output drifts from plain decoding. bf16 products
 are row-invariant here, but attention over the valid slots is not: the kernel splits keys
 into blocks by their count, so the rounding of a row depends on how many keys the call
-sees. Every call therefore attends over the whole cache buffer, masked, whose length is a
-multiple of the kernel's 512-key block (kv_cache.py); masked blocks add exact zeros, so
-a call reads only the blocks up to its last new slot. Within a block the kernel's sums
-group keys by slot too, so a tree pass attends path by path (path_attention.py).
+sees. Every call therefore attends over whole 512-key blocks of the cache buffer (whose
+length is a multiple of the block, kv_cache.py), masked; masked blocks add exact zeros,
+so a call reads only the blocks up to its last new slot. Within a block the kernel's
+sums group keys by slot too, so a tree pass attends path by path (path_attention.py).
 
 Left out: sliding windows, rope types other than default and llama3, anything but
 silu MLPs; `load.py` sends such models to the transformers adapter.
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import BLOCK, KVCache
-from .layer_ops import layer_ops, rms_norm, rotate_half  # noqa: F401 (re-exported)
+from .layer_ops import layer_ops
 from .linear import ROW_INVARIANT_ROWS, Linear
 from .path_attention import PathPlan, plan_paths
 from .weights import load_weights
