@@ -163,13 +163,7 @@ def estimated_draft_ratio(target: Model, drafter) -> float:
 
 def make_eagle(target: Model, head: str | None = None) -> EagleDrafter:
     """An EAGLE head from a folder, or the one trained (or shipped) for this target."""
-    folder = head
-    if folder is None:
-        candidates = [eagle.default_dir(target.info.folder), medusa.SHIPPED / target.info.source / "eagle"]
-        folder = next((f for f in candidates if (f / eagle.CONFIG_FILE).is_file()), None)
-        if folder is None:
-            raise SpecDecodeError(f"no EAGLE head for {target.info.source}: run `specdecode train eagle "
-                                  f"--target {target.info.source}` or pass --head PATH")
+    folder = head or eagle.find(target.info.source, target.info.folder)
     trained = eagle.load(folder)
     sha = trained.config.target_sha256
     if sha and target.info.sha256 and sha != target.info.sha256:

@@ -269,12 +269,23 @@ def add_train(sub) -> None:
         kind.add_argument("--answer-tokens", type=int, default=128)
         kind.add_argument("--epochs", type=float, default=2.0)
         kind.add_argument("--out", help="artifact folder (default: beside the target's cached weights)")
+        kind.add_argument("--reshape-only", action="store_true",
+                          help="no training: choose the tree of the existing heads again, for this machine")
+        kind.add_argument("--from", dest="source", help="with --reshape-only: the heads' folder "
+                          "(default: the ones trained or shipped for the target)")
         kind.set_defaults(func=run_train_cmd)
 
 
 def run_train_cmd(args) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    if args.kind == "medusa":
+    if args.source and not args.reshape_only:
+        raise SpecDecodeError("--from goes with --reshape-only")
+    if args.reshape_only:
+        from .training.reshape import reshape_eagle, reshape_medusa
+
+        reshape = reshape_medusa if args.kind == "medusa" else reshape_eagle
+        folder = reshape(args.target, args.source, args.out, log=log)
+    elif args.kind == "medusa":
         from .training.medusa import run_train_medusa
 
         folder = run_train_medusa(args.target, args.heads, args.tokens, args.answers, args.answer_tokens,

@@ -170,3 +170,14 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
 
 def default_dir(target_folder: str | Path) -> Path:
     return Path(target_folder) / "eagle"
+
+
+def find(target_name: str, target_folder: str | Path) -> Path:
+    """The head for a target: trained (or re-shaped) here first, else shipped with the package."""
+    from .medusa import SHIPPED
+
+    for folder in (default_dir(target_folder), SHIPPED / target_name / "eagle"):
+        if (folder / CONFIG_FILE).is_file():
+            return folder
+    raise SpecDecodeError(f"no EAGLE head for {target_name}: run `specdecode train eagle --target {target_name}` "
+                          "or pass --head PATH")

@@ -110,6 +110,7 @@ def test_cli_bad_input_gives_one_clear_error(capsys, argv, message):
     (["bench", "--tree-widths", "2xa"], "widths per depth"),
     (["train", "medusa", "--heads", "0"], "must be positive"),
     (["train", "eagle", "--epochs", "0"], "must be positive"),
+    (["train", "medusa", "--from", "/x"], "--from goes with --reshape-only"),
     (["tune", "--drafters", "nope"], "--drafters must name"),
 ])
 def test_cli_bad_options_give_one_clear_error(capsys, argv, message):

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import BLOCK, KVCache
-from .layer_ops import layer_ops
+from .layer_ops import TorchOps, layer_ops
 from .linear import ROW_INVARIANT_ROWS, Linear
 from .path_attention import PathPlan, plan_paths
 from .weights import load_weights
@@ -76,6 +76,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(medium, blended, scaled)
+
+
+FUSED_MAX_ROWS = 128  # tokens per pass up to which the fused small ops run (layer_ops.py)
 
 
 def key_slots(end: int, max_len: int) -> int:
@@ -210,7 +213,10 @@ class NativeModel:
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
-        ops, eps = self.ops, c.rms_norm_eps
+        # The fused ops are single-threaded loops, made for decoding's few rows; a prefill's
+        # many rows go to torch's threaded ops. Both paths of a generation prefill alike,
+        # and every verify pass stays under the bound, so exactness does not change.
+        ops, eps = (self.ops if B * T <= FUSED_MAX_ROWS else TorchOps), c.rms_norm_eps
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
             x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, cache, i, attention, group),

@@ -198,11 +198,18 @@ def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: in
 def measure_shape(model, head, features: Features, log=print) -> dict:
     """Held-out accuracy by depth and rank, this machine's verify and head-step costs, and
     the dynamic tree's depth, top-k and size chosen from them."""
-    from ..tune import cost_model, measure_leaf_cost, measure_verify_curve
-
     head = head.to(model.dtype).eval()
     _, held_idx = split(features)
     accuracy = depth_accuracy(head, model, features, documents(features, held_idx)[:40])
+    return shape_for(model, head, accuracy, log)
+
+
+def shape_for(model, head, accuracy, log=print) -> dict:
+    """The dynamic tree's depth, top-k and size for held-out `accuracy` [depth][rank], from
+    this machine's verify curve, per-path attention cost and head step."""
+    from ..tune import cost_model, measure_leaf_cost, measure_verify_curve
+
+    head = head.to(model.dtype).eval()
     max_nodes = max_tree_nodes(model)
     verify = measure_verify_curve(model, sizes=tuple(range(1, max_nodes + 2)), repeats=3)
     leaf_ratio = measure_leaf_cost(model) / verify[1]

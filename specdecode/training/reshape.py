@@ -1,0 +1,49 @@
+"""`specdecode train medusa|eagle --reshape-only`: choose the tree of existing heads again.
+
+A tree's best shape depends on the machine as much as on the heads: the verify curve,
+the head's step and each extra path's attention call are measured where it runs, while
+the heads' held-out accuracy by depth and rank is stored in the artifact at training.
+Heads trained on another machine (the shipped SmolLM2 ones) or before a kernel change
+get a shape fitted to this one in a minute, without training. The artifact is written
+beside the target's cached weights (or to --out), where it is found before a shipped one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import eagle, medusa
+
+
+def reshape_medusa(target_name: str, heads: str | Path | None = None, out: str | Path | None = None,
+                   log=print) -> Path:
+    from ..api import load_model
+    from .medusa import pick_tree
+
+    target = load_model(target_name)
+    folder = Path(heads) if heads else medusa.find(target_name, target.info.folder)
+    trained, config = medusa.load(folder)
+    log(f"heads from {folder}: top-1 accuracy by head {[a[0] for a in config.accuracy]}")
+    paths, speedup = pick_tree(target.model, trained, config.accuracy, log)
+    config.tree = [list(p) for p in paths]
+    config.training = config.training | {"expected_speedup": round(speedup, 3)}
+    return medusa.save(Path(out) if out else medusa.default_dir(target.info.folder), trained, config)
+
+
+def reshape_eagle(target_name: str, head: str | Path | None = None, out: str | Path | None = None,
+                  log=print) -> Path:
+    from ..api import load_model
+    from .eagle import shape_for
+
+    target = load_model(target_name)
+    folder = Path(head) if head else eagle.find(target_name, target.info.folder)
+    trained = eagle.load(folder)
+    accuracy = trained.config.tree.get("accuracy")
+    if not accuracy:
+        from ..errors import SpecDecodeError
+
+        raise SpecDecodeError(f"the head in {folder} stores no held-out accuracy to choose a shape from; "
+                              "train it again with `specdecode train eagle`")
+    log(f"head from {folder}")
+    trained.config.tree = shape_for(target.model, trained, accuracy, log)
+    return eagle.save(Path(out) if out else eagle.default_dir(target.info.folder), trained.float())
