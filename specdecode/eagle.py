@@ -174,10 +174,10 @@ def default_dir(target_folder: str | Path) -> Path:
 
 def find(target_name: str, target_folder: str | Path) -> Path:
     """The head for a target: trained (or re-shaped) here first, else shipped with the package."""
-    from .medusa import SHIPPED
+    from .medusa import find_artifact
 
-    for folder in (default_dir(target_folder), SHIPPED / target_name / "eagle"):
-        if (folder / CONFIG_FILE).is_file():
-            return folder
-    raise SpecDecodeError(f"no EAGLE head for {target_name}: run `specdecode train eagle --target {target_name}` "
-                          "or pass --head PATH")
+    folder = find_artifact("eagle", CONFIG_FILE, target_name, target_folder)
+    if folder is None:
+        raise SpecDecodeError(f"no EAGLE head for {target_name}: run `specdecode train eagle --target "
+                              f"{target_name}` or pass --head PATH")
+    return folder
