@@ -176,8 +176,4 @@ def find(target_name: str, target_folder: str | Path) -> Path:
     """The head for a target: trained (or re-shaped) here first, else shipped with the package."""
     from .medusa import find_artifact
 
-    folder = find_artifact("eagle", CONFIG_FILE, target_name, target_folder)
-    if folder is None:
-        raise SpecDecodeError(f"no EAGLE head for {target_name}: run `specdecode train eagle --target "
-                              f"{target_name}` or pass --head PATH")
-    return folder
+    return find_artifact("eagle", CONFIG_FILE, target_name, target_folder, "EAGLE head", "--head")

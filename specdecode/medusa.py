@@ -91,19 +91,17 @@ def default_dir(target_folder: str | Path) -> Path:
     return Path(target_folder) / "medusa"
 
 
-def find_artifact(kind: str, config_file: str, target_name: str, target_folder: str | Path) -> Path | None:
+def find_artifact(kind: str, config_file: str, target_name: str, target_folder: str | Path, what: str,
+                  flag: str) -> Path:
     """A drafter artifact (`kind` = medusa | eagle) for a target: trained or re-shaped here
     (beside the target's cached weights) first, else shipped with the package."""
     for folder in (Path(target_folder) / kind, SHIPPED / target_name / kind):
         if (folder / config_file).is_file():
             return folder
-    return None
+    raise SpecDecodeError(f"no {what} for {target_name}: run `specdecode train {kind} --target {target_name}` "
+                          f"or pass {flag} PATH")
 
 
 def find(target_name: str, target_folder: str | Path) -> Path:
     """The heads for a target: trained here first, else shipped with the package."""
-    folder = find_artifact("medusa", CONFIG_FILE, target_name, target_folder)
-    if folder is None:
-        raise SpecDecodeError(f"no Medusa heads for {target_name}: run `specdecode train medusa --target "
-                              f"{target_name}` or pass --heads PATH")
-    return folder
+    return find_artifact("medusa", CONFIG_FILE, target_name, target_folder, "Medusa heads", "--heads")
