@@ -17,11 +17,13 @@ round. When drafting does not pay it switches off, and probes with k = 1 every
 `probe_every` rounds so that it notices when drafting starts to pay again.
 
 `FixedK` is the same interface for a constant k. The engine only calls `next_k()` and
-`observe(num_drafted, num_accepted)`.
+`observe(num_drafted, num_accepted)`; a drafter that keeps a policy of its own (the hybrid)
+takes a `fresh()` copy per generation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -89,6 +91,9 @@ class FixedK:
     def next_k(self) -> int:
         return self.k
 
+    def fresh(self) -> "FixedK":
+        return self
+
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         pass
 
@@ -105,6 +110,10 @@ class AdaptiveK:
     positions: float = field(default=0.0, init=False)  # draft positions the target judged
     rounds_off: int = field(default=0, init=False)
     history: list[int] = field(default_factory=list, init=False)  # k chosen each round
+
+    def fresh(self) -> "AdaptiveK":
+        """The same policy before any observation: one per generation."""
+        return dataclasses.replace(self)
 
     @property
     def alpha(self) -> float:

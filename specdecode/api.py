@@ -24,6 +24,7 @@ from . import eagle, medusa
 from .drafters import DraftModel, PromptLookup, check_same_tokenizer
 from .drafters.draft_tree import DraftTree
 from .drafters.eagle import EagleDrafter
+from .drafters.hybrid import LookupOrModel
 from .drafters.medusa import MedusaDrafter
 from .engine import decode
 from .errors import SpecDecodeError
@@ -32,11 +33,11 @@ from .models.load import ModelInfo, load
 from .prompts import encode_prompt
 from .sampling import SamplingConfig
 from .stopping import StopCondition
-from .tune import Profile
+from .tune import HybridK, Profile
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-DRAFTERS = ("draft-model", "prompt-lookup", "medusa", "draft-tree", "eagle")
+DRAFTERS = ("draft-model", "prompt-lookup", "hybrid", "medusa", "draft-tree", "eagle")
 # Top-2 at the first two depths, then top-1: 10 candidates, which with the root is the most
 # rows a bf16 verify pass keeps row-invariant on oneDNN (models/linear.py; AMX: any number).
 DEFAULT_TREE_WIDTHS = (2, 2, 1)
@@ -96,7 +97,7 @@ def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: s
         drafter = "draft-model"
     if drafter not in DRAFTERS:
         raise SpecDecodeError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
-    if draft is not None and drafter not in ("draft-model", "draft-tree"):
+    if draft is not None and drafter not in ("draft-model", "draft-tree", "hybrid"):
         raise SpecDecodeError(f"--draft names a draft model; it does not go with the {drafter} drafter")
     if heads is not None and drafter not in ("medusa", "eagle"):
         raise SpecDecodeError("--heads/--head goes with --drafter medusa or eagle")
@@ -107,7 +108,24 @@ def make_drafter(target: Model, drafter: str | None, draft: str | None, dtype: s
     if drafter == "eagle":
         return make_eagle(target, heads)
     draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
+    if drafter == "hybrid":  # without a profile: copies of up to 8, the model's k adaptive
+        return LookupOrModel(draft_model, 8, AdaptiveK(CostModel(estimated_draft_ratio(target, draft_model))))
     return DraftTree(draft_model, DEFAULT_TREE_WIDTHS) if drafter == "draft-tree" else draft_model
+
+
+def tuned_drafter(profile: Profile, category: str | None, draft_model: DraftModel | None,
+                  drafter: str | None = None):
+    """(drafter, k or policy) that a tune profile picks for a category (None: any prompt).
+    draft_model serves the draft-model and hybrid drafters."""
+    name, policy = profile.choose(category, drafter)
+    if name == "prompt-lookup":
+        return PromptLookup(), policy
+    if draft_model is None:
+        raise SpecDecodeError(f"the profile picks the {name} drafter, which needs its draft model")
+    if isinstance(policy, HybridK):
+        hybrid = LookupOrModel(draft_model, policy.lookup_k, policy.model)
+        return hybrid, hybrid.k_max
+    return draft_model, policy
 
 
 def make_medusa(target: Model, heads: str | None = None) -> MedusaDrafter:
@@ -131,10 +149,11 @@ def plan(target: Model, drafter: str | None, draft: str | None, k: int | str | N
         if drafter not in (None, *tuned.drafters):
             raise SpecDecodeError(f"the profile measured {', '.join(tuned.drafters)}; pass --profile or "
                                   f"--drafter {drafter}, not both")
-        name, policy = tuned.choose(category, drafter or ("draft-model" if draft else None))
-        if name == "draft-model":
-            draft = draft or tuned.drafters[name]["draft"]
-        return make_drafter(target, name, draft, dtype), policy
+        name, _ = tuned.choose(category, drafter or ("draft-model" if draft else None))
+        draft_model = None
+        if name != "prompt-lookup":
+            draft_model = make_draft_model(target, load_model(draft or tuned.drafters[name]["draft"], dtype))
+        return tuned_drafter(tuned, category, draft_model, name)
     if category is not None:
         raise SpecDecodeError("--category selects a category of a --profile")
     the_drafter = make_drafter(target, drafter, draft, dtype, heads)
@@ -147,6 +166,11 @@ def plan(target: Model, drafter: str | None, draft: str | None, k: int | str | N
         if k is not None:
             raise SpecDecodeError("--k needs a drafter (--draft, --drafter or --profile)")
         return None, 0
+    if isinstance(the_drafter, LookupOrModel):
+        if k is not None:
+            raise SpecDecodeError("--k does not apply to the hybrid drafter: copies go up to 8 tokens and the "
+                                  "draft model's k adapts")
+        return the_drafter, the_drafter.k_max
     if k == "auto":
         return the_drafter, AdaptiveK(CostModel(draft_ratio=estimated_draft_ratio(target, the_drafter)))
     if isinstance(k, str):

@@ -36,7 +36,7 @@ import torch
 
 from .adaptive import AdaptiveK, CostModel, expected_tokens
 from .api import (DEFAULT_DRAFT, DEFAULT_TARGET, estimated_draft_ratio, load_model, make_draft_model,
-                  make_eagle, make_medusa)
+                  make_eagle, make_medusa, tuned_drafter)
 from .drafters import PromptLookup
 from .drafters.draft_tree import DraftTree
 from .engine import decode
@@ -103,7 +103,7 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
     if "tuned" in names and profile is None:
         raise SpecDecodeError("the tuned method needs --profile (from `specdecode tune`)")
     if {"draft-model", "adaptive", "draft-tree"} & set(names) or (
-            "tuned" in names and "draft-model" in profile.drafters):
+            "tuned" in names and {"draft-model", "hybrid"} & set(profile.drafters)):
         if draft is None:
             raise SpecDecodeError("the draft-model, adaptive and tuned (with a draft model) methods need --draft")
         drafter = make_draft_model(target, draft)
@@ -126,8 +126,8 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, make_eagle(target), 0)))
         elif name == "tuned":
             def tuned(category):  # the profile's drafter for the category, and a fresh policy
-                chosen, policy = profile.choose(category if category in profile.categories else None)
-                return (drafter if chosen == "draft-model" else PromptLookup()), policy
+                return tuned_drafter(profile, category if category in profile.categories else None,
+                                     drafter if draft is not None else None)
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, tuned)))
         else:
             raise SpecDecodeError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")

@@ -214,12 +214,15 @@ def _widths(text: str) -> tuple[int, ...]:
 
 
 def add_tune(sub) -> None:
-    from .api import DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS
+    from .api import DEFAULT_DRAFT, DEFAULT_TARGET
+    from .tune import TUNABLE
 
     p = sub.add_parser("tune", help="measure costs and acceptance; choose drafter and k (or off) per category")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the draft-model drafter ('' = none)")
-    p.add_argument("--drafters", type=_csv, default=list(DRAFTERS), help=f"of {','.join(DRAFTERS)}")
+    p.add_argument("--drafters", type=_csv, default=list(TUNABLE),
+                   help=f"of {','.join(TUNABLE)} (without --draft: prompt-lookup only); tree drafters choose "
+                   "their trees when trained")
     add_questions_args(p, default_limit=3)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--k-max", type=int, default=8)
@@ -230,21 +233,25 @@ def add_tune(sub) -> None:
 def run_tune_cmd(args) -> int:
     from .tune import default_profile_path, run_tune
 
-    from .api import DRAFTERS
+    from .tune import TUNABLE
 
-    drafters = [d for d in args.drafters if d != "draft-model" or args.draft]
-    unknown = [d for d in drafters if d not in DRAFTERS]
+    drafters = [d for d in args.drafters if d not in ("draft-model", "hybrid") or args.draft]
+    unknown = [d for d in drafters if d not in TUNABLE]
     if unknown or not drafters:
-        raise SpecDecodeError(f"--drafters must name some of {', '.join(DRAFTERS)} "
-                              "(draft-model needs --draft)")
+        raise SpecDecodeError(f"--drafters must name some of {', '.join(TUNABLE)} "
+                              "(draft-model and hybrid need --draft)")
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     profile = run_tune(args.target, drafters, args.draft or None, load_questions(args), args.max_new_tokens,
                        k_max=args.k_max, log=log)
     path = profile.save(args.out or default_profile_path(args.target, profile.drafters.get("draft-model", {}).get("draft")))
-    alphas = "".join(f" {'α ' + name:>18}" for name in profile.drafters)
-    print(f"{'category':<16}{alphas} {'chosen':>14} {'k':>4} {'expected':>9}")
+    singles = [name for name in profile.drafters if name in drafters and name != "hybrid"]
+    hybrid = " hybrid probe" if "hybrid" in profile.drafters else ""
+    print(f"{'category':<16}" + "".join(f" {'α ' + name:>18}" for name in singles)
+          + f"{hybrid} {'chosen':>14} {'k':>4} {'expected':>9}")
     for name, c in profile.categories.items():
-        print(f"{name:<16}" + "".join(f" {c['alpha'][d]:>18.2f}" for d in profile.drafters)
+        probe = c.get("hybrid")
+        print(f"{name:<16}" + "".join(f" {c['alpha'][d]:>18.2f}" for d in singles)
+              + (f" {probe['tokens'] / probe['cost']:>11.2f}x" if probe else "")
               + f" {c['drafter']:>14} {c['k'] or 'off':>4} {c['expected_speedup']:>8.2f}x")
     one = profile.verify_seconds[1]
     print("draft step / plain step c: " + ", ".join(f"{n} {d['step_s'] / one:.3f}" for n, d in profile.drafters.items())

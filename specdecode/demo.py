@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from .api import DEFAULT_DRAFT, DEFAULT_K, DEFAULT_TARGET, load_model, make_draft_model
-from .drafters import PromptLookup
+from .api import DEFAULT_DRAFT, DEFAULT_K, DEFAULT_TARGET, load_model, make_draft_model, tuned_drafter
 from .engine import decode
 from .errors import SpecDecodeError
 from .events import collect
@@ -69,9 +68,9 @@ def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None =
 
         drafter, policy = make_draft_model(target, draft), k
         if tuned:  # the profile's drafter for this kind of prompt, k adaptive
-            name, policy = tuned.choose(CATEGORY[kind] if CATEGORY[kind] in tuned.categories else None)
-            drafter = PromptLookup() if name == "prompt-lookup" else drafter
-            print(f"(profile: {name}, k adaptive)", file=out, flush=True)
+            drafter, policy = tuned_drafter(tuned, CATEGORY[kind] if CATEGORY[kind] in tuned.categories else None,
+                                            drafter)
+            print(f"(profile: {drafter.name}, k adaptive)", file=out, flush=True)
         spec_tokens, spec = _run(target, prompt_ids, stop, drafter, policy, show)
         plain_tokens, plain = _run(target, prompt_ids, stop)
         rows.append({"kind": kind, "plain_tokens_per_s": plain.tokens_per_s, "spec_tokens_per_s": spec.tokens_per_s,

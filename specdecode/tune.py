@@ -30,7 +30,19 @@ from pathlib import Path
 import torch
 
 from .adaptive import AdaptiveK, CostModel, best_k, best_k_from_rounds
+from .drafters.hybrid import LookupOrModel
 from .errors import SpecDecodeError
+
+HYBRID = "hybrid"  # prompt lookup where the context repeats, else the draft model (drafters/hybrid.py)
+TUNABLE = ("draft-model", "prompt-lookup", HYBRID)  # chain drafters; trees are shaped when trained
+
+
+@dataclass(frozen=True)
+class HybridK:
+    """The hybrid drafter's draft lengths: a fixed one for copies, the model's policy."""
+    lookup_k: int
+    model: AdaptiveK | int
+
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
 
@@ -140,15 +152,23 @@ class Profile:
             return best_k_from_rounds(rounds, self.costs(name), self.k_max)
         return best_k(alpha, self.costs(name), self.k_max)
 
-    def decide(self, category: str, alphas: dict[str, float], rounds: dict[str, list] | None = None) -> dict:
-        """Per category, the drafter and k that maximise expected speedup (k = 0: off)."""
+    def decide(self, category: str, alphas: dict[str, float], rounds: dict[str, list] | None = None,
+               hybrid: dict | None = None) -> dict:
+        """Per category, the drafter and k that maximise expected speedup (k = 0: off).
+
+        `hybrid` is the lookup-or-model drafter's probe (hybrid_probe): its parts' draft
+        lengths and its emitted tokens and cost, in plain steps, over the probe's rounds."""
         rounds = rounds or {}
         options = {name: self.best(name, alpha, rounds.get(name)) for name, alpha in alphas.items()}
+        if hybrid:
+            options[HYBRID] = (hybrid["lookup_k"], hybrid["tokens"] / hybrid["cost"])
         name = max(options, key=lambda n: options[n][1])
         k, speedup = options[name]
         self.categories[category] = {"alpha": {n: round(a, 4) for n, a in alphas.items()},
                                      "rounds": {n: [list(r) for r in rs] for n, rs in rounds.items()},
                                      "drafter": name, "k": k, "expected_speedup": round(speedup, 3)}
+        if hybrid:
+            self.categories[category]["hybrid"] = hybrid
         return self.categories[category]
 
     def choose(self, category: str | None = None, drafter: str | None = None) -> tuple[str, AdaptiveK | int]:
@@ -162,12 +182,21 @@ class Profile:
             raise SpecDecodeError(f"the profile measured {', '.join(self.drafters)}, not {drafter!r}; "
                                   "run `specdecode tune` with it")
         chosen = self.categories.values() if category is None else [self.categories[category]]
-        alphas = {name: statistics.mean(c["alpha"][name] for c in chosen) if chosen else 0.6
-                  for name in self.drafters}
-        rounds = {name: [r for c in chosen for r in c.get("rounds", {}).get(name, [])] for name in self.drafters}
-        options = {name: self.best(name, alphas[name], rounds[name]) for name in self.drafters}
+        singles = [name for name in self.drafters if name != HYBRID]
+        alphas = {name: statistics.mean(c["alpha"][name] for c in chosen) if chosen else 0.6 for name in singles}
+        rounds = {name: [r for c in chosen for r in c.get("rounds", {}).get(name, [])] for name in singles}
+        options = {name: self.best(name, alphas[name], rounds[name]) for name in singles}
+        probes = [c["hybrid"] for c in chosen if "hybrid" in c]
+        if probes:  # pooled: all its probe rounds' tokens over their cost
+            options[HYBRID] = (probes[0]["lookup_k"], sum(p["tokens"] for p in probes) / sum(p["cost"] for p in probes))
         if drafter is None:
             drafter = max(options, key=lambda n: options[n][1])
+        if drafter == HYBRID:
+            if not probes:
+                raise SpecDecodeError("the profile has no probe of the hybrid drafter; run `specdecode tune` with it")
+            lookup_k = max(1, round(statistics.median(p["lookup_k"] for p in probes)))
+            model = self.choose(category, "draft-model")[1]
+            return drafter, HybridK(lookup_k, model)
         k = options[drafter][0]
         if k > 0 and self.costs(drafter).draft_ratio < self.FREE_DRAFT:
             return drafter, k
@@ -226,9 +255,12 @@ def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None,
 
     if not drafter_names:
         raise SpecDecodeError("tune needs at least one drafter (--drafters)")
+    if HYBRID in drafter_names and not {"draft-model", "prompt-lookup"} <= set(drafter_names):
+        raise SpecDecodeError("tune probes the hybrid drafter after its parts: add draft-model and prompt-lookup "
+                              "to --drafters")
     target = load_model(target_name)
     drafters = {name: make_drafter(target, name, draft_name if name == "draft-model" else None, None)
-                for name in drafter_names}
+                for name in drafter_names if name != HYBRID}
     log("measuring the target's pass over n = 1..64 tokens and each drafter's step")
     verify, steps = measure_costs(target.model, drafters)
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
@@ -236,37 +268,70 @@ def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None,
     for q in questions:
         by_category.setdefault(q.category, []).append(q)
     observed: dict[str, dict[str, list]] = {}  # category -> drafter -> [(drafted, accepted)]
+    hybrid_probes: dict[str, dict] = {}  # category -> hybrid_probe's figures
     draft_s = {name: 0.0 for name in drafters}
     drafted_total = {name: 0 for name in drafters}
-    bar = tqdm(total=len(questions) * len(drafters), desc="acceptance", unit="run")
+
+    def probe(drafter, k, q) -> list:
+        prompt_ids = encode_prompt(target.tokenizer, q.turns[0])
+        return [e for e in decode(target.model, prompt_ids, stop, drafter=drafter, k=k)
+                if isinstance(e, Round)][1:-1]  # not the prefill, nor the last (budget-cut) round
+
+    def in_generation(name) -> float:  # what a draft token costs inside generation (catch-up included)
+        return draft_s[name] / drafted_total[name] if drafted_total[name] else steps[name]
+
+    runs = len(drafters) + (HYBRID in drafter_names)
+    bar = tqdm(total=len(questions) * runs, desc="acceptance", unit="run")
     for category, qs in by_category.items():
         for name, drafter in drafters.items():
             for q in qs:
                 bar.set_postfix_str(f"{category} / {name}")
-                prompt_ids = encode_prompt(target.tokenizer, q.turns[0])
-                rounds = [e for e in decode(target.model, prompt_ids, stop, drafter=drafter, k=probe_k)
-                          if isinstance(e, Round)][1:-1]  # not the prefill, nor the last (budget-cut) round
+                rounds = probe(drafter, probe_k, q)
                 observed.setdefault(category, {}).setdefault(name, []).extend(
                     (r.num_drafted, r.num_accepted) for r in rounds)
                 draft_s[name] += sum(r.draft_s for r in rounds)
                 drafted_total[name] += sum(r.num_drafted for r in rounds)
                 bar.update()
+        if HYBRID in drafter_names:  # its parts at the lengths their own rounds favour
+            seen = observed[category]
+            lookup_k = best_k_from_rounds(seen["prompt-lookup"], cost_model(verify, in_generation("prompt-lookup")),
+                                          k_max)[0] or probe_k // 2
+            model_k = best_k_from_rounds(seen["draft-model"], cost_model(verify, in_generation("draft-model")),
+                                         k_max)[0]
+            hybrid = LookupOrModel(drafters["draft-model"], lookup_k, model_k)
+            rounds = []
+            for q in qs:
+                bar.set_postfix_str(f"{category} / {HYBRID}")
+                rounds += probe(hybrid, hybrid.k_max, q)
+                bar.update()
+            hybrid_probes[category] = hybrid_probe(rounds, cost_model(verify, 0.0), verify[1], lookup_k, model_k)
     bar.close()
-    # What a draft token costs inside generation (the draft model's catch-up pass included).
-    in_generation = {name: draft_s[name] / drafted_total[name] if drafted_total[name] else steps[name]
-                     for name in drafters}
+    names = list(drafters) + ([HYBRID] if HYBRID in drafter_names else [])
     profile = Profile(target_name, str(target.model.dtype).removeprefix("torch."), verify,
-                      {name: {"draft": draft_name if name == "draft-model" else None,
-                              "step_s": in_generation[name], "step_s_alone": steps[name]} for name in drafters},
+                      {name: {"draft": draft_name if name in ("draft-model", HYBRID) else None,
+                              "step_s": in_generation(name if name != HYBRID else "draft-model"),
+                              "step_s_alone": steps[name if name != HYBRID else "draft-model"]} for name in names},
                       k_max=k_max)
     log("draft cost per token / target step: " + ", ".join(
         f"{n} {profile.costs(n).draft_ratio:.3f} (alone {steps[n] / verify[1]:.3f})" for n in drafters))
     for category, rounds in observed.items():
         alphas = {name: alpha_mle([d for d, _ in rs], [a for _, a in rs]) for name, rs in rounds.items()}
-        choice = profile.decide(category, alphas, rounds)
+        choice = profile.decide(category, alphas, rounds, hybrid_probes.get(category))
+        hybrid = hybrid_probes.get(category)
         log(f"{category}: α " + ", ".join(f"{n} {a:.2f}" for n, a in alphas.items())
+            + (f", hybrid {hybrid['tokens'] / hybrid['cost']:.2f}x" if hybrid else "")
             + f" -> {choice['drafter']} k = {choice['k'] or 'off'}, expected {choice['expected_speedup']:.2f}x")
     return profile
+
+
+def hybrid_probe(rounds, costs: CostModel, plain_step_s: float, lookup_k: int, model_k: int) -> dict:
+    """The hybrid's expected speedup from its probe rounds, each charged what it cost: its
+    drafting time as measured (a copy is free; a model draft pays its passes, catch-up
+    included) plus the verify pass over its drafts, in plain steps."""
+    tokens = sum(1 + r.num_accepted for r in rounds)
+    cost = sum(r.draft_s / plain_step_s + costs.verify(r.num_drafted + 1) for r in rounds)
+    return {"lookup_k": lookup_k, "model_k": model_k, "rounds": len(rounds),
+            "tokens": tokens, "cost": round(cost, 3) or 1.0}
 
 
 def default_profile_path(target_name: str, draft_name: str | None) -> Path:

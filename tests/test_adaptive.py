@@ -174,3 +174,52 @@ def test_profile_values_bursty_lookup_by_its_rounds(tmp_path):
     assert loaded.choose("summarization") == ("prompt-lookup", 8)
     name, policy = loaded.choose("summarization", drafter="draft-model")  # a paid drafter adapts
     assert name == "draft-model" and isinstance(policy, AdaptiveK)
+
+
+def test_profile_picks_the_hybrid_where_its_probe_beats_both_parts(tmp_path):
+    """Summaries copy in bursts and paraphrase between them: lookup alone is a plain step
+    in most rounds, the model alone pays a pass per draft on the copies too. The hybrid's
+    probe (its own rounds, each charged what it cost) is compared with the parts' best."""
+    from specdecode.drafters import DraftModel
+    from specdecode.drafters.hybrid import LookupOrModel
+    from specdecode.api import tuned_drafter
+    from specdecode.tune import HybridK, hybrid_probe
+    from specdecode.events import Round
+
+    verify = {1: 0.10, 2: 0.101, 4: 0.103, 8: 0.11, 16: 0.13}
+    drafters = {"draft-model": {"draft": "d", "step_s": 0.03}, "prompt-lookup": {"draft": None, "step_s": 0.0},
+                "hybrid": {"draft": "d", "step_s": 0.03}}
+    profile = Profile("t", "bfloat16", verify, drafters)
+    # the same 60 tokens three ways: 4 copies of 8 and 24 misses; 20 model rounds accepting
+    # 2 of 3; the same 4 copies and 8 model rounds of 3 drafts (0.09 s, catch-up included)
+    lookup = [(8, 8)] * 4 + [(0, 0)] * 24
+    model = [(3, 2)] * 20
+    rounds = [Round((), 8, 8, 0.0001, 0.11)] * 4 + [Round((), 3, 2, 0.09, 0.101)] * 8
+    probe = hybrid_probe(rounds, profile.costs("prompt-lookup"), 0.10, lookup_k=8, model_k=3)
+    assert probe["tokens"] == 4 * 9 + 8 * 3
+    assert probe["cost"] == pytest.approx(4 * (0.001 + 1.125) + 8 * (0.9 + 1.03), abs=1e-3)  # passes over 9, 4
+    alphas = {"draft-model": alpha_mle(*zip(*model)), "prompt-lookup": alpha_mle(*zip(*lookup))}
+    choice = profile.decide("summarization", alphas, {"draft-model": model, "prompt-lookup": lookup}, probe)
+    assert choice["drafter"] == "hybrid"
+    assert choice["expected_speedup"] == pytest.approx(probe["tokens"] / probe["cost"], abs=1e-3)
+    assert choice["expected_speedup"] > max(profile.best(n, alphas[n], r)[1]
+                                            for n, r in (("draft-model", model), ("prompt-lookup", lookup)))
+    # where the copies are missing, the model alone wins
+    plain_probe = hybrid_probe([Round((), 3, 2, 0.09, 0.101)] * 8 + [Round((), 3, 0, 0.09, 0.101)] * 4,
+                               profile.costs("prompt-lookup"), 0.10, 8, 3)
+    assert profile.decide("chat", alphas, {"draft-model": model, "prompt-lookup": [(0, 0)] * 20},
+                          plain_probe)["drafter"] == "draft-model"
+    loaded = Profile.load(profile.save(tmp_path / "p.json"))
+    name, k = loaded.choose("summarization")
+    assert name == "hybrid" and isinstance(k, HybridK) and k.lookup_k == 8 and isinstance(k.model, AdaptiveK)
+    assert loaded.choose("chat")[0] == "draft-model"
+
+    class FakeModel:
+        def new_cache(self, batch, length):
+            return None
+    drafter, cap = tuned_drafter(loaded, "summarization", DraftModel(FakeModel(), 10))
+    assert isinstance(drafter, LookupOrModel) and drafter.lookup_k == 8 and cap == 8
+    drafter, policy = tuned_drafter(loaded, "chat", DraftModel(FakeModel(), 10))
+    assert isinstance(drafter, DraftModel) and isinstance(policy, AdaptiveK)
+    with pytest.raises(SpecDecodeError, match="needs its draft model"):
+        tuned_drafter(loaded, "summarization", None)

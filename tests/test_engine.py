@@ -104,9 +104,14 @@ def test_seeded_sampling_repeats_exactly(tiny, tiny_other):
     assert outs[0] == outs[1]
 
 
-def test_first_two_sampled_tokens_keep_the_target_distribution(tiny_llama, tmp_path):
+@pytest.mark.parametrize("kind", ["draft-model", "hybrid"])
+def test_first_two_sampled_tokens_keep_the_target_distribution(tiny_llama, tmp_path, kind):
     """End to end: the joint distribution of the first two tokens, with an independent draft
-    model and k = 2, equals the target's own (computed exactly from its logits).
+    model (alone, or as the hybrid's model part beside prompt lookup) and k = 2, equals the
+    target's own (computed exactly from its logits). The second token is decided by the
+    rejection rule: the first comes from the prefill, and the budget leaves room for 2 drafts.
+    The prompt ends in (2, first token), so the hybrid copies when the first token is 3 and
+    asks the model otherwise: both of its paths are tested.
 
     Vocabulary 8 so the joint has 64 cells; 6000 seeded runs. Thresholds: chi-square
     p-value > 1e-3, and total variation < 0.05 (the expected TV of 6000 samples over 64
@@ -115,10 +120,12 @@ def test_first_two_sampled_tokens_keep_the_target_distribution(tiny_llama, tmp_p
     """
     from tests.conftest import save_tiny
 
+    from specdecode.drafters.hybrid import LookupOrModel
+
     target = NativeModel.from_folder(save_tiny(tmp_path / "t", "llama", seed=4, vocab_size=8), torch.float32)
     draft = NativeModel.from_folder(save_tiny(tmp_path / "d", "llama", seed=5, vocab_size=8), torch.float32)
     sampling = SamplingConfig(temperature=1.0, top_k=6)
-    prompt = [1, 2, 3]
+    prompt = [1, 2, 3, 1, 2]
 
     probs_first = logits_to_probs(target(torch.tensor([prompt]), target.new_cache()).logits[0, -1], sampling)
     expected = torch.zeros(8, 8)
@@ -128,12 +135,16 @@ def test_first_two_sampled_tokens_keep_the_target_distribution(tiny_llama, tmp_p
 
     counts = torch.zeros(8, 8)
     generator = torch.Generator().manual_seed(0)
-    drafter = DraftModel(draft, 8)
-    trials = 6000
+    drafter = DraftModel(draft, 8) if kind == "draft-model" else LookupOrModel(DraftModel(draft, 8), 2, 2)
+    trials, drafted = 6000, 0
     for _ in range(trials):
-        tokens, _ = run(target, prompt, StopCondition(max_new_tokens=2), sampling=sampling,
-                        drafter=drafter, k=2, generator=generator)
+        tokens, done = run(target, prompt, StopCondition(max_new_tokens=4), sampling=sampling,
+                           drafter=drafter, k=2, generator=generator)
         counts[tokens[0], tokens[1]] += 1
+        drafted += done.stats.draft_tokens
+    assert drafted >= trials  # every run drafted in its first round
+    if kind == "hybrid":
+        assert drafter.rounds["lookup"] > 100 and drafter.rounds["model"] > 1000
     support = expected.flatten() > 0
     assert counts.flatten()[~support].sum() == 0
     observed, wanted = counts.flatten()[support], expected.flatten()[support] * trials
@@ -149,3 +160,53 @@ def test_k_below_one_is_refused(tiny):
 def test_prompt_longer_than_context_is_refused(tiny):
     with pytest.raises(SpecDecodeError, match="context"):
         run(tiny, list(range(1, 90)) * 3, StopCondition())
+
+
+class Recorder:
+    """A fixed-k policy that records what it is told."""
+
+    def __init__(self, k):
+        self.k, self.k_max, self.seen = k, k, []
+
+    def next_k(self):
+        return self.k
+
+    def observe(self, num_drafted, num_accepted):
+        self.seen.append((num_drafted, num_accepted))
+
+    def fresh(self):
+        return self
+
+
+def test_hybrid_copies_repeats_drafts_elsewhere_and_is_greedy_identical(tiny, tiny_other):
+    """The hybrid drafter copies where the context repeats and asks its model elsewhere;
+    its model's policy learns each model round's acceptance from the next context."""
+    from specdecode.drafters.hybrid import LookupOrModel
+
+    stop = StopCondition(max_new_tokens=40)
+    plain, _ = run(tiny, PROMPT, stop)
+    for model, always_right in ((tiny, True), (tiny_other, False)):
+        recorder = Recorder(3)
+        hybrid = LookupOrModel(DraftModel(model, tiny.vocab_size), lookup_k=5, model_k=recorder)
+        tokens, done = run(tiny, PROMPT, stop, drafter=hybrid, k=hybrid.k_max)
+        assert tokens == plain
+        assert hybrid.rounds["lookup"] > 0 and hybrid.rounds["model"] > 0
+        assert len(recorder.seen) >= hybrid.rounds["model"] - 1  # the last draft may end the generation
+        assert all(d <= 3 for d, _ in recorder.seen) and recorder.seen[0][0] == 3  # the budget may cut the last
+        if always_right:  # the target drafting for itself: every model draft accepted
+            assert all(a == d for d, a in recorder.seen)
+        else:
+            assert any(a < d for d, a in recorder.seen)
+        assert done.stats.draft_tokens > 0
+
+
+def test_hybrid_policy_is_fresh_each_generation(tiny, tiny_other):
+    from specdecode.adaptive import AdaptiveK, CostModel
+    from specdecode.drafters.hybrid import LookupOrModel
+
+    hybrid = LookupOrModel(DraftModel(tiny_other, tiny.vocab_size), 4, AdaptiveK(CostModel(0.3)))
+    run(tiny, PROMPT, StopCondition(max_new_tokens=30), drafter=hybrid, k=hybrid.k_max)
+    assert hybrid.policy.positions > 0 and hybrid.model_k.positions == 0  # the template is untouched
+    hybrid.reset()
+    assert hybrid.policy.positions == 0 and hybrid.policy is not hybrid.model_k
+    assert hybrid.k_max == 8
