@@ -123,7 +123,7 @@ def tuned_drafter(profile: Profile, category: str | None, draft_model: DraftMode
     if draft_model is None:
         raise SpecDecodeError(f"the profile picks the {name} drafter, which needs its draft model")
     if isinstance(policy, HybridK):
-        hybrid = LookupOrModel(draft_model, policy.lookup_k, policy.model)
+        hybrid = LookupOrModel(draft_model, policy.lookup_k, policy.model, policy.min_ngram)
         return hybrid, hybrid.k_max
     return draft_model, policy
 

@@ -34,14 +34,17 @@ from .drafters.hybrid import LookupOrModel
 from .errors import SpecDecodeError
 
 HYBRID = "hybrid"  # prompt lookup where the context repeats, else the draft model (drafters/hybrid.py)
-TUNABLE = ("draft-model", "prompt-lookup", HYBRID)  # chain drafters; trees are shaped when trained
+TUNABLE = ("draft-model", "prompt-lookup", HYBRID)
+HYBRID_MIN_NGRAMS = (2, 3)  # tune probes the hybrid copying repeats of at least 2, and of at least 3  # chain drafters; trees are shaped when trained
 
 
 @dataclass(frozen=True)
 class HybridK:
-    """The hybrid drafter's draft lengths: a fixed one for copies, the model's policy."""
+    """The hybrid drafter's draft lengths: a fixed one for copies, the model's policy; and
+    the shortest repeat it copies."""
     lookup_k: int
     model: AdaptiveK | int
+    min_ngram: int = 2
 
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 32, 48, 64)
@@ -195,8 +198,8 @@ class Profile:
             if not probes:
                 raise SpecDecodeError("the profile has no probe of the hybrid drafter; run `specdecode tune` with it")
             lookup_k = max(1, round(statistics.median(p["lookup_k"] for p in probes)))
-            model = self.choose(category, "draft-model")[1]
-            return drafter, HybridK(lookup_k, model)
+            min_ngram = round(statistics.median(p.get("min_ngram", 2) for p in probes))
+            return drafter, HybridK(lookup_k, self.choose(category, "draft-model")[1], min_ngram)
         k = options[drafter][0]
         if k > 0 and self.costs(drafter).draft_ratio < self.FREE_DRAFT:
             return drafter, k
@@ -280,7 +283,7 @@ def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None,
     def in_generation(name) -> float:  # what a draft token costs inside generation (catch-up included)
         return draft_s[name] / drafted_total[name] if drafted_total[name] else steps[name]
 
-    runs = len(drafters) + (HYBRID in drafter_names)
+    runs = len(drafters) + (HYBRID in drafter_names) * len(HYBRID_MIN_NGRAMS)
     bar = tqdm(total=len(questions) * runs, desc="acceptance", unit="run")
     for category, qs in by_category.items():
         for name, drafter in drafters.items():
@@ -298,13 +301,17 @@ def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None,
                                           k_max)[0] or probe_k // 2
             model_k = best_k_from_rounds(seen["draft-model"], cost_model(verify, in_generation("draft-model")),
                                          k_max)[0]
-            hybrid = LookupOrModel(drafters["draft-model"], lookup_k, model_k)
-            rounds = []
-            for q in qs:
-                bar.set_postfix_str(f"{category} / {HYBRID}")
-                rounds += probe(hybrid, hybrid.k_max, q)
-                bar.update()
-            hybrid_probes[category] = hybrid_probe(rounds, cost_model(verify, 0.0), verify[1], lookup_k, model_k)
+            for min_ngram in HYBRID_MIN_NGRAMS:  # how long a repeat must be before it is copied
+                hybrid = LookupOrModel(drafters["draft-model"], lookup_k, model_k, min_ngram)
+                rounds = []
+                for q in qs:
+                    bar.set_postfix_str(f"{category} / {HYBRID} n>={min_ngram}")
+                    rounds += probe(hybrid, hybrid.k_max, q)
+                    bar.update()
+                found = hybrid_probe(rounds, cost_model(verify, 0.0), verify[1], lookup_k, model_k, min_ngram)
+                best = hybrid_probes.get(category)
+                if best is None or found["tokens"] / found["cost"] > best["tokens"] / best["cost"]:
+                    hybrid_probes[category] = found
     bar.close()
     names = list(drafters) + ([HYBRID] if HYBRID in drafter_names else [])
     profile = Profile(target_name, str(target.model.dtype).removeprefix("torch."), verify,
@@ -324,13 +331,14 @@ def run_tune(target_name: str, drafter_names: list[str], draft_name: str | None,
     return profile
 
 
-def hybrid_probe(rounds, costs: CostModel, plain_step_s: float, lookup_k: int, model_k: int) -> dict:
+def hybrid_probe(rounds, costs: CostModel, plain_step_s: float, lookup_k: int, model_k: int,
+                 min_ngram: int = 2) -> dict:
     """The hybrid's expected speedup from its probe rounds, each charged what it cost: its
     drafting time as measured (a copy is free; a model draft pays its passes, catch-up
     included) plus the verify pass over its drafts, in plain steps."""
     tokens = sum(1 + r.num_accepted for r in rounds)
     cost = sum(r.draft_s / plain_step_s + costs.verify(r.num_drafted + 1) for r in rounds)
-    return {"lookup_k": lookup_k, "model_k": model_k, "rounds": len(rounds),
+    return {"lookup_k": lookup_k, "model_k": model_k, "min_ngram": min_ngram, "rounds": len(rounds),
             "tokens": tokens, "cost": round(cost, 3) or 1.0}
 
 
