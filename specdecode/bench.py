@@ -3,7 +3,8 @@
 For each prompt, every method runs to the same budget, interleaved (plain, method A,
 method B, ..., peers; then again) after a warm-up, and the median of the repeats is kept
 (../shared/benchmark.md). Methods: our plain decoding, the draft model at each k, prompt
-lookup, `adaptive` (the draft model with k chosen per round by adaptive.py from costs
+lookup, `hybrid` (prompt lookup where the context repeats, else the draft model), `adaptive`
+(the draft model with k chosen per round by adaptive.py from costs
 estimated by model size), `tuned` (per category the drafter a `tune` profile chose, its k
 adaptive from the profile's measured costs and α), `medusa` (the target's trained heads
 and their tree), `draft-tree` (the draft model's top-2/top-3 candidates as trees), `eagle` (the trained
@@ -39,6 +40,7 @@ from .api import (DEFAULT_DRAFT, DEFAULT_TARGET, estimated_draft_ratio, load_mod
                   make_eagle, make_medusa, tuned_drafter)
 from .drafters import PromptLookup
 from .drafters.draft_tree import DraftTree
+from .drafters.hybrid import LookupOrModel
 from .engine import decode
 from .errors import SpecDecodeError
 from .events import Stats, collect
@@ -47,7 +49,7 @@ from .sampling import SamplingConfig
 from .stopping import StopCondition
 from .suites import conversation
 
-METHODS = ("draft-model", "prompt-lookup", "adaptive", "tuned", "medusa", "draft-tree", "eagle")
+METHODS = ("draft-model", "prompt-lookup", "hybrid", "adaptive", "tuned", "medusa", "draft-tree", "eagle")
 
 
 def theoretical_speedup(alpha: float, k: int, plain_step_s: float, draft_step_s: float, verify_s: float) -> float:
@@ -102,16 +104,20 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
     methods = [Method("plain", None, _ours(target, stop, sampling, seed))]
     if "tuned" in names and profile is None:
         raise SpecDecodeError("the tuned method needs --profile (from `specdecode tune`)")
-    if {"draft-model", "adaptive", "draft-tree"} & set(names) or (
+    if {"draft-model", "adaptive", "draft-tree", "hybrid"} & set(names) or (
             "tuned" in names and {"draft-model", "hybrid"} & set(profile.drafters)):
         if draft is None:
-            raise SpecDecodeError("the draft-model, adaptive and tuned (with a draft model) methods need --draft")
+            raise SpecDecodeError("the draft-model, hybrid, adaptive and tuned (with a draft model) methods need "
+                                  "--draft")
         drafter = make_draft_model(target, draft)
     for name in names:
         if name == "draft-model":
             methods += [Method(name, k, _ours(target, stop, sampling, seed, drafter, k)) for k in ks]
         elif name == "prompt-lookup":
             methods.append(Method(name, lookup_k, _ours(target, stop, sampling, seed, PromptLookup(), lookup_k)))
+        elif name == "hybrid":  # copies of up to 8 where the context repeats, else the model, k adaptive
+            hybrid = LookupOrModel(drafter, 8, AdaptiveK(CostModel(estimated_draft_ratio(target, drafter))))
+            methods.append(Method(name, None, _ours(target, stop, sampling, seed, hybrid, hybrid.k_max)))
         elif name == "adaptive":
             def policy():  # a fresh policy per generation
                 return AdaptiveK(CostModel(estimated_draft_ratio(target, drafter)))
