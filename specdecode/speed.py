@@ -5,7 +5,8 @@ dtype and process, interleaved (native, transformers, native, ...) after a warm-
 median of the repeats is reported (../shared/benchmark.md). Beside them stands the
 physical limit: the weight bytes one decoding step must stream, divided by the memory
 read bandwidth measured in this run: the best of two streaming reads (a sum and an fp32
-matrix-vector product) of a buffer four times the size of the last-level cache.
+matrix-vector product) of a buffer four times the size of the last-level cache, on
+ordinary and on huge pages.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 
 from .engine import decode
 from .events import collect
+from .models.huge_pages import on_huge_pages
 from .models.load import load, parse_dtype
 from .prompts import encode_prompt
 from .stopping import StopCondition
@@ -32,15 +34,19 @@ def measure_bandwidth(megabytes: int = 2048, repeats: int = 3) -> float:
     measures the cache: a 50 MB matrix "streams" at 49 GB/s here, a 2 GB buffer at 30.
     """
     cols = 4096
-    matrix = torch.ones(megabytes * 2**20 // 4 // cols, cols, dtype=torch.float32)
     vector = torch.ones(1, cols, dtype=torch.float32)
     best = 0.0
-    for read in (lambda: matrix.sum(), lambda: torch.nn.functional.linear(vector, matrix)):
-        read()
-        for _ in range(repeats):
-            t = time.perf_counter()
+    for pages in ("small", "huge"):  # the weights stream from huge pages (models/huge_pages.py): so may this
+        matrix = torch.ones(megabytes * 2**20 // 4 // cols, cols, dtype=torch.float32)
+        if pages == "huge":
+            matrix = on_huge_pages(matrix)
+        for read in (lambda: matrix.sum(), lambda: torch.nn.functional.linear(vector, matrix)):
             read()
-            best = max(best, matrix.numel() * 4 / (time.perf_counter() - t))
+            for _ in range(repeats):
+                t = time.perf_counter()
+                read()
+                best = max(best, matrix.numel() * 4 / (time.perf_counter() - t))
+        del matrix
     return best
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecDecodeError
+from .huge_pages import on_huge_pages
 from .store import home
 
 KERNEL_ENV = "SPECDECODE_KERNEL"
@@ -92,7 +93,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
     Np, Kp = -(-N // GROUP) * GROUP, -(-K // STEP) * STEP
     w = F.pad(weight, (0, Kp - K, 0, Np - N))
-    return w.view(Np // GROUP, 4, 16, Kp // STEP, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    return on_huge_pages(w.view(Np // GROUP, 4, 16, Kp // STEP, 16, 2).permute(0, 3, 1, 4, 2, 5))
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

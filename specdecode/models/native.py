@@ -86,6 +86,10 @@ def key_slots(end: int, max_len: int) -> int:
     return min(max_len, -(-end // BLOCK) * BLOCK)
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+
+
 class NativeModel:
     backend = "native"
 
@@ -208,6 +212,9 @@ class NativeModel:
             attention = [(None, self._attention_mask(mask, T, start, cache.max_len, group))]
         else:
             attention = [(plan, self._path_mask(plan, start, cache.max_len, group)) for plan in plans]
+        # Additive masks made once per pass: given a boolean mask, attention would build this
+        # very one again in every layer (0 where allowed, -inf elsewhere, in the query dtype).
+        attention = [(plan, additive_mask(allowed, self.dtype)) for plan, allowed in attention]
 
         x = F.embedding(tokens, self.embed)  # (B, T, H)
         hidden: dict[int, torch.Tensor] = {}

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -20,3 +22,29 @@ def test_fp32_is_not_packed_and_matches_f_linear():
     linear = Linear(weight, bias)
     assert not linear.packed
     torch.testing.assert_close(linear(torch.ones(2, 4)), torch.ones(2, 4) @ weight.T + bias)
+
+
+def _anon_huge_kb(address: int) -> int:
+    """AnonHugePages of the mapping holding address, from /proc/self/smaps."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_packed_weights_live_on_huge_pages_where_the_kernel_allows():
+    from specdecode.models.huge_pages import HUGE, on_huge_pages
+
+    small = torch.arange(6.0).view(2, 3)
+    assert on_huge_pages(small).data_ptr() != 0 and torch.equal(on_huge_pages(small), small)
+    big = torch.randn(64, 4, 2**14).permute(1, 0, 2)  # 16 MB, not contiguous
+    moved = on_huge_pages(big)
+    assert torch.equal(moved, big) and moved.is_contiguous() and moved.data_ptr() % HUGE == 0
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if mode.exists() and ("[madvise]" in mode.read_text() or "[always]" in mode.read_text()):
+        assert _anon_huge_kb(moved.data_ptr()) >= 8 * 1024  # most of its 16 MB on 2 MB pages
