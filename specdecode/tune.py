@@ -11,6 +11,10 @@ It measures, on this machine and in one process:
 Then, per category, it picks the drafter and k that maximise expected tokens per second,
 computed from the observed rounds (adaptive.speedup_from_rounds; no i.i.d. assumption, so
 prompt lookup's bursts count as they are), k = 0 ("off") when nothing beats plain decoding.
+The hybrid (drafters/hybrid.py: copies where the context repeats, the draft model
+elsewhere) is probed after its parts, at the lengths their rounds favour, copying
+repeats of 2 and of 3 tokens or more; its rounds are charged what they cost as measured
+(hybrid_probe), and the better of the two competes with the single drafters.
 It saves a profile (JSON) that `generate --profile`, `demo --profile`, `bench --methods
 tuned` and the API use: the category's drafter is built with the chosen k; a draft model
 gets the adaptive policy seeded with its costs and α, which follows the acceptance it
@@ -34,8 +38,8 @@ from .drafters.hybrid import LookupOrModel
 from .errors import SpecDecodeError
 
 HYBRID = "hybrid"  # prompt lookup where the context repeats, else the draft model (drafters/hybrid.py)
-TUNABLE = ("draft-model", "prompt-lookup", HYBRID)
-HYBRID_MIN_NGRAMS = (2, 3)  # tune probes the hybrid copying repeats of at least 2, and of at least 3  # chain drafters; trees are shaped when trained
+TUNABLE = ("draft-model", "prompt-lookup", HYBRID)  # chain drafters; trees are shaped when trained
+HYBRID_MIN_NGRAMS = (2, 3)  # tune probes the hybrid copying repeats of at least 2, and of at least 3
 
 
 @dataclass(frozen=True)
