@@ -174,7 +174,7 @@ def run_bench_cmd(args) -> int:
     from pathlib import Path
 
     from .bench import METHODS, run_bench
-    from .report import table, write_report
+    from .report import table, verdict_table, write_report
     from .tune import Profile
 
     ks = tuple(int(k) for k in args.k)
@@ -195,6 +195,8 @@ def run_bench_cmd(args) -> int:
     for path in write_report(result, Path(args.out)):
         log(f"wrote {path}")
     print(table(result))
+    if verdict_table(result):
+        print("\n" + verdict_table(result))
     return 0
 
 

@@ -36,6 +36,41 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def verdict(result: dict, method: str = "tuned") -> list[dict]:
+    """Per category, how `method` fares: its speedup over our plain decoding, the best
+    transformers peer's, and its measured speedup over the theoretical one (E(α) from the
+    measured α, k, draft and verify costs). Empty when the bench did not run it."""
+    rows = result["rows"]
+    out = []
+    for category in dict.fromkeys(r["category"] for r in rows):
+        ours = next((r for r in rows if r["category"] == category and r["method"] == method), None)
+        if ours is None:
+            continue
+        peers = [r for r in rows if r["category"] == category and r["method"].startswith("transformers")]
+        best = max(peers, key=lambda r: r["speedup"], default=None)
+        theory = ours.get("theoretical_speedup")
+        out.append({"category": category, "speedup": ours["speedup"],
+                    "best_peer": best["method"] if best else None, "best_peer_speedup": best["speedup"] if best else None,
+                    "over_best_peer": ours["speedup"] / best["speedup"] if best else None,
+                    "over_theory": ours["speedup"] / theory if theory else None})
+    return out
+
+
+def verdict_table(result: dict, method: str = "tuned") -> str:
+    found = verdict(result, method)
+    if not found:
+        return ""
+    lines = [f"{method} against the best transformers peer, our plain decoding (1.00x) and the theory:", "",
+             f"| category | {method} | best peer | {method} / best peer | measured / theory E(α) |",
+             "|---|---|---|---|---|"]
+    for v in found:
+        peer = f"{v['best_peer_speedup']:.2f}x ({v['best_peer'].removeprefix('transformers ')})" if v["best_peer"] else ""
+        ratio = f"{v['over_best_peer']:.2f}" if v["over_best_peer"] is not None else ""
+        theory = f"{v['over_theory']:.2f}" if v["over_theory"] is not None else ""
+        lines.append(f"| {v['category']} | {v['speedup']:.2f}x | {peer} | {ratio} | {theory} |")
+    return "\n".join(lines)
+
+
 def plots(result: dict, out_dir: Path) -> list[Path]:
     import matplotlib
 
@@ -102,7 +137,8 @@ def write_report(result: dict, out_dir: Path) -> list[Path]:
     """results.json, report.md and the plots, each written whole (temporary name, then rename)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, text in (("results.json", json.dumps(result, indent=1)), ("report.md", table(result) + "\n")):
+    report = table(result) + "\n" + ("\n" + verdict_table(result) + "\n" if verdict(result) else "")
+    for name, text in (("results.json", json.dumps(result, indent=1)), ("report.md", report)):
         partial = out_dir / f".{name}.partial"
         partial.write_text(text)
         partial.replace(out_dir / name)

@@ -56,3 +56,21 @@ def test_sampled_bench_runs_the_peers_sampling_too():
     # sampled runs draw other random numbers than plain decoding: identity is not asked of them
     assert all(r["identical_to_plain"] is None for r in result["rows"])
     assert rows["prompt-lookup"]["acceptance_rate"] is not None and rows["transformers plain"]["speedup"] > 0
+
+
+def test_verdict_compares_tuned_with_the_best_peer_and_the_theory():
+    from specdecode.report import verdict, verdict_table
+
+    rows = [
+        {"category": "chat", "method": "plain", "k": None, "speedup": 1.0},
+        {"category": "chat", "method": "tuned", "k": None, "speedup": 1.5, "theoretical_speedup": 1.2},
+        {"category": "chat", "method": "transformers plain", "k": None, "speedup": 0.75},
+        {"category": "chat", "method": "transformers assisted", "k": None, "speedup": 1.2},
+        {"category": "math", "method": "plain", "k": None, "speedup": 1.0},
+        {"category": "math", "method": "prompt-lookup", "k": 4, "speedup": 1.1},
+    ]
+    (chat,) = verdict({"rows": rows})
+    assert chat["best_peer"] == "transformers assisted" and chat["over_best_peer"] == pytest.approx(1.25)
+    assert chat["over_theory"] == pytest.approx(1.25)
+    assert "| chat | 1.50x | 1.20x (assisted) | 1.25 | 1.25 |" in verdict_table({"rows": rows})
+    assert verdict({"rows": rows[4:]}) == [] and verdict_table({"rows": rows[4:]}) == ""
