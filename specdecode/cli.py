@@ -195,8 +195,9 @@ def run_bench_cmd(args) -> int:
     for path in write_report(result, Path(args.out)):
         log(f"wrote {path}")
     print(table(result))
-    if verdict_table(result):
-        print("\n" + verdict_table(result))
+    verdict = verdict_table(result)
+    if verdict:
+        print("\n" + verdict)
     return 0
 
 
@@ -233,11 +234,9 @@ def add_tune(sub) -> None:
 
 
 def run_tune_cmd(args) -> int:
-    from .tune import default_profile_path, run_tune
+    from .tune import HYBRID, TUNABLE, default_profile_path, run_tune
 
-    from .tune import TUNABLE
-
-    drafters = [d for d in args.drafters if d not in ("draft-model", "hybrid") or args.draft]
+    drafters = [d for d in args.drafters if d not in ("draft-model", HYBRID) or args.draft]
     unknown = [d for d in drafters if d not in TUNABLE]
     if unknown or not drafters:
         raise SpecDecodeError(f"--drafters must name some of {', '.join(TUNABLE)} "
@@ -246,8 +245,8 @@ def run_tune_cmd(args) -> int:
     profile = run_tune(args.target, drafters, args.draft or None, load_questions(args), args.max_new_tokens,
                        k_max=args.k_max, log=log)
     path = profile.save(args.out or default_profile_path(args.target, profile.drafters.get("draft-model", {}).get("draft")))
-    singles = [name for name in profile.drafters if name in drafters and name != "hybrid"]
-    hybrid = " hybrid probe" if "hybrid" in profile.drafters else ""
+    singles = [name for name in profile.drafters if name in drafters and name != HYBRID]
+    hybrid = " hybrid probe" if HYBRID in profile.drafters else ""
     print(f"{'category':<16}" + "".join(f" {'α ' + name:>18}" for name in singles)
           + f"{hybrid} {'chosen':>14} {'k':>4} {'expected':>9}")
     for name, c in profile.categories.items():
