@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .adaptive import AdaptiveK, CostModel
-from . import eagle, medusa
+from . import draft_vocab, eagle, medusa
 from .drafters import DraftModel, PromptLookup, check_same_tokenizer
 from .drafters.draft_tree import DraftTree
 from .drafters.eagle import EagleDrafter
@@ -135,7 +135,8 @@ def make_medusa(target: Model, heads: str | None = None) -> MedusaDrafter:
     if config.target_sha256 and target.info.sha256 and config.target_sha256 != target.info.sha256:
         raise SpecDecodeError(f"the heads in {folder} were trained on {config.target} "
                               f"(sha256 {config.target_sha256[:12]}), not on this target")
-    return MedusaDrafter(target.model, trained, [tuple(p) for p in config.tree])
+    return MedusaDrafter(target.model, trained, [tuple(p) for p in config.tree],
+                         draft_vocab.for_target(target, trained.draft_vocab))
 
 
 def plan(target: Model, drafter: str | None, draft: str | None, k: int | str | None, profile: str | None,
@@ -193,7 +194,8 @@ def make_eagle(target: Model, head: str | None = None) -> EagleDrafter:
     if sha and target.info.sha256 and sha != target.info.sha256:
         raise SpecDecodeError(f"the head in {folder} was trained on {trained.config.target}, not on this target")
     shape = trained.config.tree  # chosen when training from measured acceptance and costs
-    return EagleDrafter(target.model, trained, **{k: shape[k] for k in ("depth", "top_k", "num_nodes") if k in shape})
+    return EagleDrafter(target.model, trained, **{k: shape[k] for k in ("depth", "top_k", "num_nodes") if k in shape},
+                        vocab=draft_vocab.for_target(target, trained.draft_vocab))
 
 
 @dataclass(frozen=True)

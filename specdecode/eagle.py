@@ -29,6 +29,7 @@ from .errors import SpecDecodeError
 
 WEIGHTS_FILE = "eagle.safetensors"
 CONFIG_FILE = "eagle.json"
+DRAFT_VOCAB = "draft_vocab"  # the token ids the head drafts from, beside its weights
 
 
 @dataclass
@@ -97,6 +98,7 @@ class EagleHead(torch.nn.Module):
         self.out_norm = torch.nn.Parameter(torch.ones(H))  # the target's features are normed ones
         self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (torch.arange(0, hd, 2).float() / hd),
                              persistent=False)
+        self.draft_vocab: torch.Tensor | None = None  # token ids it drafts from (draft_vocab.py); None: all
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 cache: HeadCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -152,6 +154,8 @@ def save(folder: str | Path, head: EagleHead) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in head.state_dict().items()}
+    if head.draft_vocab is not None:
+        tensors[DRAFT_VOCAB] = head.draft_vocab.long().contiguous()
     save_file(tensors, folder / (WEIGHTS_FILE + ".partial"))
     (folder / (CONFIG_FILE + ".partial")).write_text(json.dumps(asdict(head.config), indent=1))
     (folder / (WEIGHTS_FILE + ".partial")).replace(folder / WEIGHTS_FILE)
@@ -164,8 +168,12 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
         raise SpecDecodeError(f"no EAGLE head in {folder}; `specdecode train eagle` makes one")
     head = EagleHead(EagleConfig(**json.loads((folder / CONFIG_FILE).read_text())))
-    head.load_state_dict({k: v.float() for k, v in load_file(folder / WEIGHTS_FILE).items()})
-    return head.to(dtype).eval().requires_grad_(False)
+    tensors = load_file(folder / WEIGHTS_FILE)
+    draft_vocab = tensors.pop(DRAFT_VOCAB, None)
+    head.load_state_dict({k: v.float() for k, v in tensors.items()})
+    head = head.to(dtype).eval().requires_grad_(False)
+    head.draft_vocab = draft_vocab
+    return head
 
 
 def default_dir(target_folder: str | Path) -> Path:

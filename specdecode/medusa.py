@@ -30,6 +30,7 @@ from .errors import SpecDecodeError
 
 WEIGHTS_FILE = "medusa.safetensors"
 CONFIG_FILE = "medusa.json"
+DRAFT_VOCAB = "draft_vocab"  # the token ids the heads draft from, beside their weights
 SHIPPED = Path(__file__).parent / "artifacts"
 
 
@@ -38,6 +39,7 @@ class MedusaHeads(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))
+        self.draft_vocab: torch.Tensor | None = None  # token ids it drafts from (draft_vocab.py); None: all
 
     @property
     def num_heads(self) -> int:
@@ -66,6 +68,8 @@ def save(folder: str | Path, heads: MedusaHeads, config: MedusaConfig) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": heads.weight.detach().to(torch.bfloat16).contiguous(),
                "bias": heads.bias.detach().to(torch.bfloat16).contiguous()}
+    if heads.draft_vocab is not None:
+        tensors[DRAFT_VOCAB] = heads.draft_vocab.long().contiguous()
     save_file(tensors, folder / (WEIGHTS_FILE + ".partial"))
     (folder / (CONFIG_FILE + ".partial")).write_text(json.dumps(asdict(config), indent=1))
     (folder / (WEIGHTS_FILE + ".partial")).replace(folder / WEIGHTS_FILE)
@@ -83,7 +87,9 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Medusa
     with torch.no_grad():
         heads.weight.copy_(tensors["weight"])
         heads.bias.copy_(tensors["bias"])
-    return heads.to(dtype).eval().requires_grad_(False), config
+    heads = heads.to(dtype).eval().requires_grad_(False)
+    heads.draft_vocab = tensors.get(DRAFT_VOCAB)
+    return heads, config
 
 
 def default_dir(target_folder: str | Path) -> Path:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdecode import eagle
+from specdecode.draft_vocab import DraftVocab
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.engine import decode
 from specdecode.events import collect
@@ -26,17 +27,33 @@ def random_head(model, seed=0):
     return head.eval().requires_grad_(False)
 
 
+def lm_weight_of(folder):
+    from safetensors.torch import load_file
+
+    return load_file(f"{folder}/model.safetensors")["lm_head.weight"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_eagle_dynamic_tree_greedy_is_identical_to_plain(tiny_llama, dtype):
+@pytest.mark.parametrize("reduced", [False, True])
+def test_eagle_dynamic_tree_greedy_is_identical_to_plain(tiny_llama, dtype, reduced):
     model = NativeModel.from_folder(tiny_llama, dtype)
     stop = StopCondition(frozenset(), max_new_tokens=40)
+    subset = torch.arange(0, 96, 2)  # a draft vocabulary of the even tokens
+    vocab = DraftVocab.rows(lm_weight_of(tiny_llama), subset, dtype) if reduced else None
     for seed, (depth, top_k) in enumerate([(5, 3), (3, 2), (1, 1)]):
         prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain, _ = collect(decode(model, prompt, stop))
-        drafter = EagleDrafter(model, random_head(model, seed), depth=depth, top_k=top_k)
+        drafter = EagleDrafter(model, random_head(model, seed), depth=depth, top_k=top_k, vocab=vocab)
+        proposed = []
+        propose = drafter.propose_tree
+        drafter.propose_tree = lambda *a: proposed.append(propose(*a)) or proposed[-1]
         tokens, done = collect(decode(model, prompt, stop, drafter=drafter))
         assert tokens == plain
         assert done.stats.rounds < len(plain) or depth == 1
+        drafted = torch.cat([p.tokens for p in proposed])
+        assert drafted.numel() > 0
+        if reduced:  # only the draft vocabulary is proposed; the target still says odd tokens
+            assert bool(torch.isin(drafted, subset).all()) and any(t % 2 for t in plain)
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +97,14 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
             doc.append(int(perm[doc[-1]]))
         docs.append(doc)
     features = collect_features(model, docs, (model.config.num_layers,))
-    from safetensors.torch import load_file
-
-    lm_weight = load_file(f"{tiny_llama}/model.safetensors")["lm_head.weight"]
+    lm_weight = lm_weight_of(tiny_llama)
     config = EagleTrainConfig(epochs=6, lr=3e-3, intermediate_size=64, checkpoint_every=20)
     head, record = train(model, features, lm_weight, config, tmp_path, "tiny", None, log=lambda _: None)
     assert record["held_out_loss_after"] < 0.7 * record["held_out_loss_before"]
     assert record["held_out_top1_after"] > record["held_out_top1_before"]
-    shape = measure_shape(model, head, features, log=lambda _: None)
+    assert torch.equal(head.draft_vocab, torch.unique(features.labels))  # the rows its loss used
+    vocab = DraftVocab.rows(lm_weight, head.draft_vocab, model.dtype)
+    shape = measure_shape(model, head, vocab, features, log=lambda _: None)
     # a tiny model's step is mostly overhead, so whether a tree pays depends on this machine's
     # timings: off (all zero) or a shape within the search bounds (the choice itself is
     # tested on fixed figures below)
@@ -98,6 +115,7 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
     head.config.tree = shape
     loaded = eagle.load(eagle.save(tmp_path / "head", head))
     assert loaded.config == head.config
+    assert torch.equal(loaded.draft_vocab, head.draft_vocab)
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a.to(torch.bfloat16).float(), b), name
     with pytest.raises(Exception, match="no EAGLE head"):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdecode import medusa
+from specdecode.draft_vocab import DraftVocab
 from specdecode.drafters.medusa import MedusaDrafter
 from specdecode.engine import decode
 from specdecode.events import collect
@@ -16,6 +17,12 @@ from specdecode.tree_shapes import choose_tree, expected_tokens_of_tree, grow_tr
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
 
 
+def lm_weight_of(folder):
+    from safetensors.torch import load_file
+
+    return load_file(f"{folder}/model.safetensors")["lm_head.weight"]
+
+
 def random_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> medusa.MedusaHeads:
     heads = medusa.MedusaHeads(num_heads, hidden_size)
     with torch.no_grad():
@@ -24,17 +31,26 @@ def random_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> medusa.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_medusa_tree_decoding_is_identical_to_plain_greedy(tiny_llama, dtype):
+@pytest.mark.parametrize("reduced", [False, True])
+def test_medusa_tree_decoding_is_identical_to_plain_greedy(tiny_llama, dtype, reduced):
     model = NativeModel.from_folder(tiny_llama, dtype)
     stop = StopCondition(frozenset(), max_new_tokens=40)
+    subset = torch.arange(1, 96, 2)  # a draft vocabulary of the odd tokens
+    vocab = DraftVocab.rows(lm_weight_of(tiny_llama), subset, dtype) if reduced else None
     for seed in range(3):
         prompt = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
         plain, _ = collect(decode(model, prompt, stop))
-        drafter = MedusaDrafter(model, random_heads(64, seed=seed), TREE)
+        drafter = MedusaDrafter(model, random_heads(64, seed=seed), TREE, vocab)
+        proposed = []
+        propose = drafter.propose_tree
+        drafter.propose_tree = lambda *a: proposed.append(propose(*a)) or proposed[-1]
         tokens, done = collect(decode(model, prompt, stop, drafter=drafter))
         assert tokens == plain
         assert done.stats.rounds < len(plain)  # the heads' trees were accepted sometimes
         assert max(done.stats.drafted_at and [len(done.stats.drafted_at)]) <= 4
+        if reduced:  # only the draft vocabulary is proposed; the target still says even tokens
+            assert bool(torch.isin(torch.cat([p.tokens for p in proposed]), subset).all())
+            assert any(t % 2 == 0 for t in plain)
 
 
 def test_medusa_sampling_keeps_the_stream_valid_and_seeded(tiny_llama):
@@ -74,13 +90,12 @@ def test_head_labels_stay_inside_a_document():
 def test_training_reduces_held_out_loss_and_resumes(tiny_llama, tmp_path):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     features = tiny_features(model)
-    from safetensors.torch import load_file
-
-    lm_weight = load_file(f"{tiny_llama}/model.safetensors")["lm_head.weight"]
+    lm_weight = lm_weight_of(tiny_llama)
     config = TrainConfig(num_heads=2, epochs=6, batch_size=64, lr=3e-3, checkpoint_every=5)
     heads, record = train(model, features, lm_weight, config, tmp_path, log=lambda _: None)
     assert record["held_out_loss_after"] < 0.8 * record["held_out_loss_before"]
     assert len(record["accuracy"]) == 2 and all(0 <= a <= 1 for row in record["accuracy"] for a in row)
+    assert torch.equal(heads.draft_vocab, torch.unique(features.labels))  # the rows its loss used
     # a rerun with the same settings finds the finished checkpoint and does no more steps
     again, record2 = train(model, features, lm_weight, config, tmp_path, log=lambda _: None)
     assert torch.equal(again.weight, heads.weight) and record2["held_out_loss_after"] == record["held_out_loss_after"]
@@ -90,8 +105,10 @@ def test_artifact_round_trip_and_missing_heads(tmp_path):
     heads = random_heads(16, num_heads=2)
     config = medusa.MedusaConfig("t", "abc", 16, 2, [[0.5, 0.1], [0.3, 0.1]], [[0], [0, 0]], {"steps": 1})
     loaded, loaded_config = medusa.load(medusa.save(tmp_path / "m", heads, config))
-    assert loaded_config == config
+    assert loaded_config == config and loaded.draft_vocab is None
     assert torch.equal(loaded.weight, heads.weight.to(torch.bfloat16).float())
+    heads.draft_vocab = torch.tensor([3, 5, 8])
+    assert torch.equal(medusa.load(medusa.save(tmp_path / "v", heads, config))[0].draft_vocab, heads.draft_vocab)
     assert not list((tmp_path / "m").glob("*.partial"))
     from specdecode.errors import SpecDecodeError
     with pytest.raises(SpecDecodeError, match="no Medusa heads"):

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from ..draft_vocab import DraftVocab
 from ..errors import SpecDecodeError
 from ..sampling import SamplingConfig
 from ..trees import build_tree
@@ -35,7 +36,8 @@ from .base import TreeProposal
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, target, head, depth: int = 5, top_k: int = 3, num_nodes: int = 10):
+    def __init__(self, target, head, depth: int = 5, top_k: int = 3, num_nodes: int = 10,
+                 vocab: DraftVocab | None = None):
         if not hasattr(target, "lm_head") or not hasattr(target, "embed"):
             raise SpecDecodeError("EAGLE needs the native backend (a Llama-family target)")
         if head.config.hidden_size != target.config.hidden_size:
@@ -43,6 +45,7 @@ class EagleDrafter:
                                   f"the target has {target.config.hidden_size}")
         self.target, self.head = target, head.to(target.dtype)
         self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
+        self.vocab = vocab or DraftVocab(target.lm_head)
         self.max_nodes = num_nodes + 1
         self.target_layers = (target.config.num_layers,)
         self.reset()
@@ -118,10 +121,11 @@ class EagleDrafter:
     def _add_children(self, predicted, parent_scores, parents, node_token, node_parent, node_score,
                       node_depth) -> None:
         """Each parent's top_k tokens under the LM head of its predicted feature."""
-        logprobs = self.target.lm_head(predicted).float().log_softmax(dim=-1)  # (P, V)
+        logprobs = self.vocab.logits(predicted).float().log_softmax(dim=-1)  # (P, V)
         top = logprobs.topk(self.top_k, dim=-1)
+        tokens = self.vocab.tokens(top.indices)
         for row, parent in enumerate(parents):
-            for lp, token in zip(top.values[row].tolist(), top.indices[row].tolist()):
+            for lp, token in zip(top.values[row].tolist(), tokens[row].tolist()):
                 node_token.append(token)
                 node_parent.append(parent)
                 node_score.append(float(parent_scores[row]) + lp)

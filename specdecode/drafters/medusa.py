@@ -7,8 +7,9 @@ carries head (d-1)'s rank-r_d token. Medusa's heads see only h_t, so every node 
 offers the same ranked list; the tree decides which combinations are worth verifying.
 
 Candidates are deterministic (top ranks), so under sampling the tree rule takes one-hot
-draft rows and stays exact. The heads' logits go through the target's LM head: one
-product of K rows, the only sizeable cost of a draft.
+draft rows and stays exact. The heads' logits go through the target's LM head, or the
+rows of it the heads were trained on (draft_vocab.py): one product of K rows, the only
+sizeable cost of a draft.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from ..draft_vocab import DraftVocab
 from ..errors import SpecDecodeError
 from ..sampling import SamplingConfig
 from ..trees import Tree, build_tree
@@ -26,13 +28,14 @@ from .base import TreeProposal
 class MedusaDrafter:
     name = "medusa"
 
-    def __init__(self, target, heads, paths: Sequence[tuple[int, ...]]):
+    def __init__(self, target, heads, paths: Sequence[tuple[int, ...]], vocab: DraftVocab | None = None):
         if not hasattr(target, "lm_head") or not hasattr(target, "config"):
             raise SpecDecodeError("Medusa needs the native backend (a Llama-family target)")
         if heads.weight.shape[-1] != target.config.hidden_size:
             raise SpecDecodeError(f"these Medusa heads expect hidden size {heads.weight.shape[-1]}, "
                                   f"the target has {target.config.hidden_size}")
         self.target = target
+        self.vocab = vocab or DraftVocab(target.lm_head)
         self.heads = heads.to(target.dtype)
         self.tree = build_tree(paths)
         if self.tree.max_depth > heads.num_heads:
@@ -55,9 +58,9 @@ class MedusaDrafter:
             return TreeProposal(tree, torch.empty(0, dtype=torch.long))
         with torch.inference_mode():
             features = self.heads(self.hidden[None], tree.max_depth)[:, 0]  # (D, H)
-            logits = self.target.lm_head(features)  # (D, V)
+            logits = self.vocab.logits(features)  # (D, V)
         width = max(path[-1] for path in tree.paths) + 1
-        ranked = logits.topk(width, dim=-1).indices  # (D, width)
+        ranked = self.vocab.tokens(logits.topk(width, dim=-1).indices)  # (D, width)
         depth_index = torch.tensor([len(p) - 1 for p in tree.paths])
         rank_index = torch.tensor([p[-1] for p in tree.paths])
         return TreeProposal(tree, ranked[depth_index, rank_index])

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import medusa
+from ..draft_vocab import DraftVocab, lm_head_weight
 from ..tree_shapes import choose_tree
 from .loop import Checkpoint, reduced_vocabulary, run_steps
 from .features import Features
@@ -98,11 +99,11 @@ def evaluate(heads, hidden, labels, valid, vocab_weight, vocab_index, batch: int
 
 
 @torch.no_grad()
-def rank_accuracy(heads, target, hidden, labels, valid, top: int = TOP_RANKS) -> list[list[float]]:
+def rank_accuracy(heads, target, vocab: DraftVocab, hidden, labels, valid, top: int = TOP_RANKS) -> list[list[float]]:
     """accuracy[i][r]: P(head i's rank-r candidate is its label | heads before i had theirs
-    in their top ranks), from the target's full LM head, on held-out positions."""
+    in their top ranks), read through the draft vocabulary, on held-out positions."""
     features = heads(hidden.float()).to(target.dtype)  # (K, B, H)
-    ranked = torch.stack([target.lm_head(f).topk(top, dim=-1).indices for f in features])  # (K, B, top)
+    ranked = torch.stack([vocab.tokens(vocab.logits(f).topk(top, dim=-1).indices) for f in features])
     hits = ranked == labels.T[:, :, None]  # (K, B, top)
     accuracy, reach = [], valid[:, 0].clone()
     for i in range(heads.num_heads):
@@ -150,19 +151,21 @@ def train(target, features: Features, lm_weight: torch.Tensor, config: TrainConf
     record |= {"held_out_loss_after": round(evaluate(heads, *held, vocab_weight, vocab_index), 4),
                "steps": total_steps, "train_positions": len(train_idx), "held_out_positions": len(held_idx),
                "reduced_vocab": vocab_weight.shape[0], "seconds_this_run": round(time.perf_counter() - started, 1)}
+    heads.draft_vocab = torch.unique(features.labels)  # the rows its loss was trained on
+    vocab = DraftVocab.rows(lm_weight, heads.draft_vocab, target.dtype)
     sample = held_idx[:4096]
-    record["accuracy"] = rank_accuracy(heads, target, hidden[sample], labels[sample], valid[sample])
+    record["accuracy"] = rank_accuracy(heads, target, vocab, hidden[sample], labels[sample], valid[sample])
     return heads, record
 
 
-def pick_tree(target, heads, accuracy, log=print) -> tuple[list[tuple[int, ...]], float]:
+def pick_tree(target, heads, vocab: DraftVocab, accuracy, log=print) -> tuple[list[tuple[int, ...]], float]:
     """The tree for these heads on this machine: measured verify cost and draft cost."""
     from ..tune import cost_model, measure_leaf_cost, measure_verify_curve
 
     max_nodes = max_tree_nodes(target)
     verify = measure_verify_curve(target, sizes=tuple(range(1, max_nodes + 2)), repeats=3)
     leaf_ratio = measure_leaf_cost(target) / verify[1]
-    draft_s = _time_draft(target, heads)
+    draft_s = _time_draft(target, heads, vocab)
     costs = cost_model(verify, draft_s)
     paths, speedup = choose_tree(accuracy, costs.verify_ratios, costs.draft_ratio, max_nodes, leaf_ratio)
     log(f"tree of {len(paths)} nodes, expected {speedup:.2f}x (draft {costs.draft_ratio:.3f} of a step, "
@@ -170,28 +173,15 @@ def pick_tree(target, heads, accuracy, log=print) -> tuple[list[tuple[int, ...]]
     return paths, speedup
 
 
-def _time_draft(target, heads, repeats: int = 5) -> float:
+def _time_draft(target, heads, vocab: DraftVocab, repeats: int = 5) -> float:
     hidden = torch.randn(1, heads.weight.shape[-1])
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             started = time.perf_counter()
-            target.lm_head(heads(hidden)[:, 0].to(target.dtype)).topk(TOP_RANKS, dim=-1)
+            vocab.logits(heads(hidden)[:, 0].to(target.dtype)).topk(TOP_RANKS, dim=-1)
             times.append(time.perf_counter() - started)
     return sorted(times[1:])[repeats // 2]
-
-
-def lm_head_weight(target) -> torch.Tensor:
-    """The target's LM head as a plain matrix (tied: the embeddings; else from the file)."""
-    if target.model.lm_head_weight is not None:
-        return target.model.lm_head_weight
-    from safetensors import safe_open
-
-    for path in sorted(Path(target.info.folder).glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            if "lm_head.weight" in f.keys():
-                return f.get_tensor("lm_head.weight")
-    raise FileNotFoundError(f"no lm_head.weight in {target.info.folder}")
 
 
 def run_train_medusa(target_name: str, num_heads: int = 3, num_tokens: int = 100_000, num_answers: int = 24,
@@ -206,10 +196,12 @@ def run_train_medusa(target_name: str, num_heads: int = 3, num_tokens: int = 100
     target, features, folder, work = prepare(target_name, out, medusa.default_dir, num_tokens, num_answers,
                                              answer_tokens, epochs, "Medusa", log)
     config = TrainConfig(num_heads=num_heads, epochs=epochs)
-    heads, record = train(target.model, features, lm_head_weight(target), config, work, log)
+    lm_weight = lm_head_weight(target)
+    heads, record = train(target.model, features, lm_weight, config, work, log)
     log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
         f"top-1 accuracy by head {[a[0] for a in record['accuracy']]}")
-    paths, speedup = pick_tree(target.model, heads, record["accuracy"], log)
+    vocab = DraftVocab.rows(lm_weight, heads.draft_vocab, target.model.dtype)
+    paths, speedup = pick_tree(target.model, heads, vocab, record["accuracy"], log)
     record["expected_speedup"] = round(speedup, 3)
     accuracy = record.pop("accuracy")
     artifact = medusa.MedusaConfig(target_name, target.info.sha256, heads.weight.shape[-1], num_heads,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import eagle, medusa
+from .. import draft_vocab, eagle, medusa
 
 
 def reshape_medusa(target_name: str, heads: str | Path | None = None, out: str | Path | None = None,
@@ -24,7 +24,8 @@ def reshape_medusa(target_name: str, heads: str | Path | None = None, out: str |
     folder = Path(heads) if heads else medusa.find(target_name, target.info.folder)
     trained, config = medusa.load(folder)
     log(f"heads from {folder}: top-1 accuracy by head {[a[0] for a in config.accuracy]}")
-    paths, speedup = pick_tree(target.model, trained, config.accuracy, log)
+    vocab = draft_vocab.for_target(target, trained.draft_vocab)
+    paths, speedup = pick_tree(target.model, trained, vocab, config.accuracy, log)
     config.tree = [list(p) for p in paths]
     config.training = config.training | {"expected_speedup": round(speedup, 3)}
     return medusa.save(Path(out) if out else medusa.default_dir(target.info.folder), trained, config)
@@ -45,5 +46,6 @@ def reshape_eagle(target_name: str, head: str | Path | None = None, out: str | P
         raise SpecDecodeError(f"the head in {folder} stores no held-out accuracy to choose a shape from; "
                               "train it again with `specdecode train eagle`")
     log(f"head from {folder}")
-    trained.config.tree = shape_for(target.model, trained, accuracy, log)
+    vocab = draft_vocab.for_target(target, trained.draft_vocab)
+    trained.config.tree = shape_for(target.model, trained, vocab, accuracy, log)
     return eagle.save(Path(out) if out else eagle.default_dir(target.info.folder), trained.float())
