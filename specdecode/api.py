@@ -19,7 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .adaptive import AdaptiveK, CostModel
+from .adaptive import AdaptiveK, CostModel, TreeGate
 from . import draft_vocab, eagle, medusa
 from .drafters import DraftModel, PromptLookup, check_same_tokenizer
 from .drafters.draft_tree import DraftTree
@@ -33,6 +33,7 @@ from .models.load import ModelInfo, load
 from .prompts import encode_prompt
 from .sampling import SamplingConfig
 from .stopping import StopCondition
+from .tree_shapes import expected_tokens_of_tree
 from .tune import HybridK, Profile
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -135,8 +136,18 @@ def make_medusa(target: Model, heads: str | None = None) -> MedusaDrafter:
     if config.target_sha256 and target.info.sha256 and config.target_sha256 != target.info.sha256:
         raise SpecDecodeError(f"the heads in {folder} were trained on {config.target} "
                               f"(sha256 {config.target_sha256[:12]}), not on this target")
-    return MedusaDrafter(target.model, trained, [tuple(p) for p in config.tree],
-                         draft_vocab.for_target(target, trained.draft_vocab))
+    paths = [tuple(p) for p in config.tree]
+    gate = tree_gate(expected_tokens_of_tree(paths, config.accuracy), config.training.get("expected_speedup"))
+    return MedusaDrafter(target.model, trained, paths, draft_vocab.for_target(target, trained.draft_vocab), gate)
+
+
+def tree_gate(expected_tokens: float | None, expected_speedup: float | None) -> TreeGate | None:
+    """The on/off gate of a tree drafter whose shape was chosen to emit `expected_tokens` a
+    round at `expected_speedup`: a round costs their ratio in plain steps. None (always on)
+    for an artifact that stores neither."""
+    if not expected_tokens or not expected_speedup:
+        return None
+    return TreeGate(round_cost=expected_tokens / expected_speedup, prior_tokens=expected_tokens)
 
 
 def plan(target: Model, drafter: str | None, draft: str | None, k: int | str | None, profile: str | None,
@@ -195,7 +206,8 @@ def make_eagle(target: Model, head: str | None = None) -> EagleDrafter:
         raise SpecDecodeError(f"the head in {folder} was trained on {trained.config.target}, not on this target")
     shape = trained.config.tree  # chosen when training from measured acceptance and costs
     return EagleDrafter(target.model, trained, **{k: shape[k] for k in ("depth", "top_k", "num_nodes") if k in shape},
-                        vocab=draft_vocab.for_target(target, trained.draft_vocab))
+                        vocab=draft_vocab.for_target(target, trained.draft_vocab),
+                        gate=tree_gate(shape.get("expected_tokens"), shape.get("expected_speedup")))
 
 
 @dataclass(frozen=True)

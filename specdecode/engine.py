@@ -22,7 +22,8 @@ keeps (the prompt after prefill, then the root and the accepted path each round)
 The loop yields `Round` events and a final `Done` (events.py); it never formats text.
 Left out: batches of sequences.
 The draft length of a chain may change every round: `k` is an int or a policy from
-adaptive.py; a tree drafter's tree is its own (k is ignored).
+adaptive.py; a tree drafter's tree is its own (k is ignored), and a drafter that offers
+a `gate()` (adaptive.TreeGate) is switched off for the rounds where its trees do not pay.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def decode(
     cache = target.new_cache(1, room)
     if hasattr(drafter, "reset"):
         drafter.reset()  # a drafter that follows the target's features starts over with each generation
+    gate = drafter.gate() if is_tree and hasattr(drafter, "gate") else None  # fresh per generation
     out = target(torch.tensor([list(prompt_ids)]), cache, num_logits=1, hidden_layers=layers)
     if layers:
         drafter.observe_target({layer: out.hidden_states[layer][0] for layer in layers})
@@ -88,10 +90,13 @@ def decode(
         t0 = time.perf_counter()
         budget = min(stop.max_new_tokens - len(new_tokens), cache.max_len - cache.length) - 1
         if is_tree:
-            proposal = drafter.propose_tree(context, budget, sampling, generator)
+            depth = budget if gate is None or gate.open() else 0  # depth 0: a plain step
+            proposal = drafter.propose_tree(context, depth, sampling, generator)
             t1 = time.perf_counter()
             path, next_token = _verify_tree(target, cache, context[-1], proposal, sampling, generator, layers, drafter)
             num_drafted, num_accepted = proposal.tree.max_depth, len(path)
+            if gate is not None and num_drafted:
+                gate.observe(num_accepted)
             accepted_tokens = proposal.tokens[[node - 1 for node in path]].tolist()
         else:
             k_round = min(policy.next_k(), budget) if drafter is not None else 0

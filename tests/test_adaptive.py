@@ -11,6 +11,7 @@ from specdecode.adaptive import (
     AdaptiveK,
     CostModel,
     FixedK,
+    TreeGate,
     best_k,
     best_k_from_rounds,
     expected_tokens,
@@ -223,3 +224,28 @@ def test_profile_picks_the_hybrid_where_its_probe_beats_both_parts(tmp_path):
     assert isinstance(drafter, DraftModel) and isinstance(policy, AdaptiveK)
     with pytest.raises(SpecDecodeError, match="needs its draft model"):
         tuned_drafter(loaded, "summarization", None)
+
+
+def simulate_gate(gate: TreeGate, tokens_of_round, rounds=2000) -> float:
+    """Speedup of a gated tree drafter over plain decoding, time from its round cost."""
+    tokens = time = 0.0
+    for r in range(rounds):
+        if gate.open():
+            emitted = tokens_of_round(r)
+            gate.observe(emitted - 1)
+            tokens, time = tokens + emitted, time + gate.round_cost
+        else:
+            tokens, time = tokens + 1, time + 1.0
+    return tokens / time
+
+
+def test_tree_gate_switches_a_useless_tree_off_and_a_paying_one_on():
+    # trees chosen for 2.0 tokens a round at 1.25 steps a round, on text they never hit
+    assert simulate_gate(TreeGate(1.25, 2.0), lambda r: 1) >= 0.97  # 0.8x if always on
+    assert simulate_gate(TreeGate(1.25, 2.0), lambda r: 2) == pytest.approx(2 / 1.25)  # never off
+    # predictable text after an unpredictable stretch: the probes notice and it opens again
+    assert simulate_gate(TreeGate(1.25, 2.0), lambda r: 1 if r < 1000 else 3) > 1.6
+    gate = TreeGate(1.25, 2.0)
+    for _ in range(5):
+        gate.open() and gate.observe(0)
+    assert not gate.open() and gate.fresh().open()  # fresh: the prior again

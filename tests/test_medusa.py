@@ -139,3 +139,23 @@ def test_each_extra_root_to_leaf_path_costs_its_attention():
     assert num_leaves(dear) < num_leaves(free)  # paid paths: fewer branches
     tokens = expected_tokens_of_tree(dear, accuracy)
     assert speedup == pytest.approx(tokens / (1.0 + 0.05 + 0.2 * (num_leaves(dear) - 1)))
+
+
+def test_a_gated_medusa_drafter_stops_drafting_where_it_is_never_accepted(tiny_llama):
+    from specdecode.adaptive import TreeGate
+    from specdecode.events import Round
+
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    prompt, stop = [5, 17, 42, 8, 91], StopCondition(max_new_tokens=60)
+    plain, _ = collect(decode(model, prompt, stop))
+    useless = random_heads(64, seed=5)
+    useless.weight.mul_(40.0)  # candidates far from what the target says
+    rounds = {}
+    for gated in (False, True):
+        gate = TreeGate(round_cost=1.3, prior_tokens=2.5) if gated else None
+        drafter = MedusaDrafter(model, useless, TREE, gate=gate)
+        events = [ev for ev in decode(model, prompt, stop, drafter=drafter) if isinstance(ev, Round)]
+        assert [t for ev in events for t in ev.token_ids] == plain
+        rounds[gated] = events
+    assert sum(ev.num_accepted for ev in rounds[False]) <= 0.1 * len(rounds[False])  # useless indeed
+    assert sum(1 for ev in rounds[True] if ev.num_drafted) <= 0.3 * len(rounds[True])

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from ..adaptive import TreeGate
 from ..draft_vocab import DraftVocab
 from ..errors import SpecDecodeError
 from ..sampling import SamplingConfig
@@ -37,7 +38,7 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, target, head, depth: int = 5, top_k: int = 3, num_nodes: int = 10,
-                 vocab: DraftVocab | None = None):
+                 vocab: DraftVocab | None = None, gate: TreeGate | None = None):
         if not hasattr(target, "lm_head") or not hasattr(target, "embed"):
             raise SpecDecodeError("EAGLE needs the native backend (a Llama-family target)")
         if head.config.hidden_size != target.config.hidden_size:
@@ -46,6 +47,7 @@ class EagleDrafter:
         self.target, self.head = target, head.to(target.dtype)
         self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
         self.vocab = vocab or DraftVocab(target.lm_head)
+        self.tree_gate = gate  # None: draft every round
         self.max_nodes = num_nodes + 1
         self.target_layers = (target.config.num_layers,)
         self.reset()
@@ -55,6 +57,9 @@ class EagleDrafter:
         self.cache = HeadCache()
         self.fed = 0  # pairs in the head's cache: positions 0..fed-1
         self.pending: list[torch.Tensor] = []  # true features (n, H) not yet fed
+
+    def gate(self) -> TreeGate | None:
+        return self.tree_gate and self.tree_gate.fresh()
 
     def observe_target(self, hidden: dict[int, torch.Tensor]) -> None:
         self.pending.append(hidden[self.target_layers[0]])

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from ..adaptive import TreeGate
 from ..draft_vocab import DraftVocab
 from ..errors import SpecDecodeError
 from ..sampling import SamplingConfig
@@ -28,7 +29,8 @@ from .base import TreeProposal
 class MedusaDrafter:
     name = "medusa"
 
-    def __init__(self, target, heads, paths: Sequence[tuple[int, ...]], vocab: DraftVocab | None = None):
+    def __init__(self, target, heads, paths: Sequence[tuple[int, ...]], vocab: DraftVocab | None = None,
+                 gate: TreeGate | None = None):
         if not hasattr(target, "lm_head") or not hasattr(target, "config"):
             raise SpecDecodeError("Medusa needs the native backend (a Llama-family target)")
         if heads.weight.shape[-1] != target.config.hidden_size:
@@ -36,6 +38,7 @@ class MedusaDrafter:
                                   f"the target has {target.config.hidden_size}")
         self.target = target
         self.vocab = vocab or DraftVocab(target.lm_head)
+        self.tree_gate = gate  # None: draft every round
         self.heads = heads.to(target.dtype)
         self.tree = build_tree(paths)
         if self.tree.max_depth > heads.num_heads:
@@ -45,6 +48,9 @@ class MedusaDrafter:
         self.target_layers = (target.config.num_layers,)  # after the final norm
         self.hidden: torch.Tensor | None = None  # (H,) the target's state at the root's parent
         self._trees = {self.tree.max_depth: self.tree}
+
+    def gate(self) -> TreeGate | None:
+        return self.tree_gate and self.tree_gate.fresh()
 
     def observe_target(self, hidden: dict[int, torch.Tensor]) -> None:
         self.hidden = hidden[self.target_layers[0]][-1]

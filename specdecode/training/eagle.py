@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import eagle
 from ..draft_vocab import DraftVocab, lm_head_weight
-from ..tree_shapes import choose_tree
+from ..tree_shapes import choose_tree, expected_tokens_of_tree
 from .loop import Checkpoint, reduced_vocabulary, run_steps
 from .features import Features
 from .medusa import max_tree_nodes, split
@@ -187,7 +187,8 @@ def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: i
                                      leaf_ratio)
         if paths and speedup > best["expected_speedup"]:
             best = {"depth": max(map(len, paths)), "top_k": max(p[-1] for p in paths) + 1,
-                    "num_nodes": len(paths), "expected_speedup": round(speedup, 3)}
+                    "num_nodes": len(paths), "expected_speedup": round(speedup, 3),
+                    "expected_tokens": round(expected_tokens_of_tree(paths, accuracy[:depth]), 3)}
     return best
 
 
