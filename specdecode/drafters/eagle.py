@@ -59,7 +59,7 @@ class EagleDrafter:
         self.pending: list[torch.Tensor] = []  # true features (n, H) not yet fed
 
     def gate(self) -> TreeGate | None:
-        return self.tree_gate and self.tree_gate.fresh()
+        return None if self.tree_gate is None else self.tree_gate.fresh()
 
     def observe_target(self, hidden: dict[int, torch.Tensor]) -> None:
         self.pending.append(hidden[self.target_layers[0]])

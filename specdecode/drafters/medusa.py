@@ -50,7 +50,7 @@ class MedusaDrafter:
         self._trees = {self.tree.max_depth: self.tree}
 
     def gate(self) -> TreeGate | None:
-        return self.tree_gate and self.tree_gate.fresh()
+        return None if self.tree_gate is None else self.tree_gate.fresh()
 
     def observe_target(self, hidden: dict[int, torch.Tensor]) -> None:
         self.hidden = hidden[self.target_layers[0]][-1]
