@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .errors import SpecDecodeError
+from .models.linear import Linear
 
 WEIGHTS_FILE = "eagle.safetensors"
 CONFIG_FILE = "eagle.json"
@@ -99,6 +100,22 @@ class EagleHead(torch.nn.Module):
         self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (torch.arange(0, hd, 2).float() / hd),
                              persistent=False)
         self.draft_vocab: torch.Tensor | None = None  # token ids it drafts from (draft_vocab.py); None: all
+        self.products: dict[str, Linear] = {}  # packed copies for drafting (pack_for_drafting)
+
+    PRODUCTS = ("fuse", "qkv", "o", "gate_up", "down")
+
+    def pack_for_drafting(self) -> "EagleHead":
+        """Run the products through the target's packed bf16 kernels (models/linear.py): a
+        one-row bf16 nn.Linear is several times slower here, and a draft runs a head pass
+        per tree depth. Training keeps the nn.Linear modules; drafting needs no gradients."""
+        self.products = {name: Linear(getattr(self, name).weight.detach(),
+                                      None if getattr(self, name).bias is None else getattr(self, name).bias.detach())
+                         for name in self.PRODUCTS}
+        return self
+
+    def _product(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        packed = self.products.get(name)
+        return getattr(self, name)(x) if packed is None else packed(x)
 
     def forward(self, features: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
                 cache: HeadCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,9 +128,9 @@ class EagleHead(torch.nn.Module):
         c = self.config
         T = features.shape[0]
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
-        x = self.fuse(torch.cat([features, embeds], dim=-1))  # (T, H)
+        x = self._product("fuse", torch.cat([features, embeds], dim=-1))  # (T, H)
         h = _rms_norm(x, self.attn_norm, c.rms_norm_eps)
-        q, k, v = self.qkv(h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = self._product("qkv", h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = (t.view(T, -1, hd).transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, T, hd)
         freqs = positions.float()[:, None] * self.inv_freq[None]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -128,9 +145,9 @@ class EagleHead(torch.nn.Module):
         k = k.repeat_interleave(nh // nkv, dim=1)
         v = v.repeat_interleave(nh // nkv, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])  # (1, nh, T, hd)
-        x = x + self.o(attn[0].transpose(0, 1).reshape(T, nh * hd))
-        gate, up = self.gate_up(_rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
-        x = x + self.down(F.silu(gate) * up)
+        x = x + self._product("o", attn[0].transpose(0, 1).reshape(T, nh * hd))
+        gate, up = self._product("gate_up", _rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
+        x = x + self._product("down", F.silu(gate) * up)
         return _rms_norm(x, self.out_norm, c.rms_norm_eps)
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .errors import SpecDecodeError
+from .models.linear import Linear
 
 WEIGHTS_FILE = "medusa.safetensors"
 CONFIG_FILE = "medusa.json"
@@ -40,6 +41,14 @@ class MedusaHeads(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
         self.bias = torch.nn.Parameter(torch.zeros(num_heads, hidden_size))
         self.draft_vocab: torch.Tensor | None = None  # token ids it drafts from (draft_vocab.py); None: all
+        self.products: list[Linear] = []  # packed copies for drafting (pack_for_drafting)
+
+    def pack_for_drafting(self) -> "MedusaHeads":
+        """Each head's product through the target's packed bf16 kernels (models/linear.py),
+        as for EAGLE's head: a one-row bf16 F.linear is several times slower here."""
+        self.products = [Linear(self.weight[i].detach().contiguous(), self.bias[i].detach())
+                         for i in range(self.num_heads)]
+        return self
 
     @property
     def num_heads(self) -> int:
@@ -47,8 +56,10 @@ class MedusaHeads(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden (..., H) -> features (K, ..., H) of the first num_heads heads."""
-        return torch.stack([hidden + F.silu(F.linear(hidden, self.weight[i], self.bias[i]))
-                            for i in range(num_heads or self.num_heads)])
+        def product(i):
+            return self.products[i](hidden) if self.products else F.linear(hidden, self.weight[i], self.bias[i])
+
+        return torch.stack([hidden + F.silu(product(i)) for i in range(num_heads or self.num_heads)])
 
 
 @dataclass

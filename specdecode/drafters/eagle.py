@@ -44,7 +44,7 @@ class EagleDrafter:
         if head.config.hidden_size != target.config.hidden_size:
             raise SpecDecodeError(f"this EAGLE head expects hidden size {head.config.hidden_size}, "
                                   f"the target has {target.config.hidden_size}")
-        self.target, self.head = target, head.to(target.dtype)
+        self.target, self.head = target, head.to(target.dtype).pack_for_drafting()
         self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
         self.vocab = vocab or DraftVocab(target.lm_head)
         self.tree_gate = gate  # None: draft every round

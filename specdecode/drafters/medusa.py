@@ -39,7 +39,7 @@ class MedusaDrafter:
         self.target = target
         self.vocab = vocab or DraftVocab(target.lm_head)
         self.tree_gate = gate  # None: draft every round
-        self.heads = heads.to(target.dtype)
+        self.heads = heads.to(target.dtype).pack_for_drafting()
         self.tree = build_tree(paths)
         if self.tree.max_depth > heads.num_heads:
             raise SpecDecodeError(f"a tree {self.tree.max_depth} deep needs {self.tree.max_depth} heads, "

@@ -211,7 +211,7 @@ def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: in
 def measure_shape(model, head, vocab: DraftVocab, features: Features, log=print) -> dict:
     """Held-out accuracy by depth and rank, this machine's verify and head-step costs, and
     the dynamic tree's depth, top-k and size chosen from them."""
-    head = head.to(model.dtype).eval()
+    head = head.to(model.dtype).eval().pack_for_drafting()  # as EagleDrafter runs it
     _, held_idx = split(features)
     accuracy = depth_accuracy(head, model, vocab, features, documents(features, held_idx)[:40])
     return shape_for(model, head, vocab, accuracy, log)
@@ -222,7 +222,7 @@ def shape_for(model, head, vocab: DraftVocab, accuracy, log=print) -> dict:
     this machine's verify curve, per-path attention cost and head step (over `vocab`)."""
     from ..tune import cost_model, measure_leaf_cost, measure_verify_curve
 
-    head = head.to(model.dtype).eval()
+    head = head.to(model.dtype).eval().pack_for_drafting()  # as EagleDrafter runs it
     max_nodes = max_tree_nodes(model)
     verify = measure_verify_curve(model, sizes=tuple(range(1, max_nodes + 2)), repeats=3)
     leaf_ratio = measure_leaf_cost(model) / verify[1]

@@ -174,12 +174,16 @@ def pick_tree(target, heads, vocab: DraftVocab, accuracy, log=print) -> tuple[li
 
 
 def _time_draft(target, heads, vocab: DraftVocab, repeats: int = 5) -> float:
-    hidden = torch.randn(1, heads.weight.shape[-1])
+    """Seconds of a draft as MedusaDrafter runs it: packed heads in the target's dtype."""
+    drafting = medusa.MedusaHeads(heads.num_heads, heads.weight.shape[-1])
+    drafting.load_state_dict(heads.state_dict())
+    drafting = drafting.to(target.dtype).pack_for_drafting()
+    hidden = torch.randn(1, heads.weight.shape[-1]).to(target.dtype)
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             started = time.perf_counter()
-            vocab.logits(heads(hidden)[:, 0].to(target.dtype)).topk(TOP_RANKS, dim=-1)
+            vocab.logits(drafting(hidden)[:, 0]).topk(TOP_RANKS, dim=-1)
             times.append(time.perf_counter() - started)
     return sorted(times[1:])[repeats // 2]
 
