@@ -106,8 +106,9 @@ class EagleHead(torch.nn.Module):
 
     def pack_for_drafting(self) -> "EagleHead":
         """Run the products through the target's packed bf16 kernels (models/linear.py): a
-        one-row bf16 nn.Linear is several times slower here, and a draft runs a head pass
-        per tree depth. Training keeps the nn.Linear modules; drafting needs no gradients."""
+        head pass with one new row took 5.7 ms through bf16 nn.Linear on Qwen2.5-1.5B and
+        3.5 ms packed (SmolLM2: 0.95 and 0.57 ms), and a draft runs a pass per tree depth.
+        Training keeps the nn.Linear modules; drafting needs no gradients."""
         self.products = {name: Linear(getattr(self, name).weight.detach(),
                                       None if getattr(self, name).bias is None else getattr(self, name).bias.detach())
                          for name in self.PRODUCTS}
