@@ -21,6 +21,8 @@ import torch
 
 from .models.linear import Linear
 
+ARTIFACT_KEY = "draft_vocab"  # the token ids, stored beside a head's weights in its safetensors
+
 
 class DraftVocab:
     """Logits of features over a list of token ids (None: the target's whole vocabulary)."""
@@ -33,9 +35,6 @@ class DraftVocab:
         """The LM head's rows for `token_ids`, packed like the target's own products."""
         token_ids = token_ids.long()
         return cls(Linear(lm_weight[token_ids].to(dtype).contiguous()), token_ids)
-
-    def __len__(self) -> int:
-        return self.lm_head.out_features
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         return self.lm_head(features)

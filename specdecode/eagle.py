@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from .draft_vocab import ARTIFACT_KEY
 from .errors import SpecDecodeError
 from .models.linear import Linear
 
 WEIGHTS_FILE = "eagle.safetensors"
 CONFIG_FILE = "eagle.json"
-DRAFT_VOCAB = "draft_vocab"  # the token ids the head drafts from, beside its weights
 
 
 @dataclass
@@ -173,7 +173,7 @@ def save(folder: str | Path, head: EagleHead) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in head.state_dict().items()}
     if head.draft_vocab is not None:
-        tensors[DRAFT_VOCAB] = head.draft_vocab.long().contiguous()
+        tensors[ARTIFACT_KEY] = head.draft_vocab.long().contiguous()
     save_file(tensors, folder / (WEIGHTS_FILE + ".partial"))
     (folder / (CONFIG_FILE + ".partial")).write_text(json.dumps(asdict(head.config), indent=1))
     (folder / (WEIGHTS_FILE + ".partial")).replace(folder / WEIGHTS_FILE)
@@ -187,7 +187,7 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
         raise SpecDecodeError(f"no EAGLE head in {folder}; `specdecode train eagle` makes one")
     head = EagleHead(EagleConfig(**json.loads((folder / CONFIG_FILE).read_text())))
     tensors = load_file(folder / WEIGHTS_FILE)
-    draft_vocab = tensors.pop(DRAFT_VOCAB, None)
+    draft_vocab = tensors.pop(ARTIFACT_KEY, None)
     head.load_state_dict({k: v.float() for k, v in tensors.items()})
     head = head.to(dtype).eval().requires_grad_(False)
     head.draft_vocab = draft_vocab

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from .draft_vocab import ARTIFACT_KEY
 from .errors import SpecDecodeError
 from .models.linear import Linear
 
 WEIGHTS_FILE = "medusa.safetensors"
 CONFIG_FILE = "medusa.json"
-DRAFT_VOCAB = "draft_vocab"  # the token ids the heads draft from, beside their weights
 SHIPPED = Path(__file__).parent / "artifacts"
 
 
@@ -80,7 +80,7 @@ def save(folder: str | Path, heads: MedusaHeads, config: MedusaConfig) -> Path:
     tensors = {"weight": heads.weight.detach().to(torch.bfloat16).contiguous(),
                "bias": heads.bias.detach().to(torch.bfloat16).contiguous()}
     if heads.draft_vocab is not None:
-        tensors[DRAFT_VOCAB] = heads.draft_vocab.long().contiguous()
+        tensors[ARTIFACT_KEY] = heads.draft_vocab.long().contiguous()
     save_file(tensors, folder / (WEIGHTS_FILE + ".partial"))
     (folder / (CONFIG_FILE + ".partial")).write_text(json.dumps(asdict(config), indent=1))
     (folder / (WEIGHTS_FILE + ".partial")).replace(folder / WEIGHTS_FILE)
@@ -99,7 +99,7 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Medusa
         heads.weight.copy_(tensors["weight"])
         heads.bias.copy_(tensors["bias"])
     heads = heads.to(dtype).eval().requires_grad_(False)
-    heads.draft_vocab = tensors.get(DRAFT_VOCAB)
+    heads.draft_vocab = tensors.get(ARTIFACT_KEY)
     return heads, config
 
 

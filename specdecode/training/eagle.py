@@ -126,8 +126,8 @@ def depth_accuracy(head, target, vocab: DraftVocab, features: Features, docs, ma
     """accuracy[d][r]: P(rank r of the head's candidates at depth d+1 is the target's token |
     the path to it was accepted), the head running on its own predicted features as when
     drafting, reading tokens from `vocab` as it does. Teacher-forced text stands in for
-    the accepted path where the text agrees
-    with the target's own predictions (rows where it does not drop out at that depth)."""
+    the accepted path where the text agrees with the target's own predictions (rows
+    where it does not drop out at that depth)."""
     hidden = features.hidden[max(features.hidden)]
     dtype = target.dtype
     hits = [[0] * top for _ in range(max_depth)]
