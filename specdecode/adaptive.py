@@ -146,9 +146,9 @@ class TreeGate:
     nodes, measured when the drafter's shape was chosen) and emits 1 + accepted tokens, so
     it pays while tokens per round exceed round_cost. The gate keeps a forgetting mean of
     tokens per round, starting from the drafter's expected figure (`prior_tokens`, from
-    held-out acceptance, counted as `prior_weight` rounds and forgotten like them). Below round_cost it closes: rounds are plain steps, except one
-    probing tree round every `probe_every`, so that it notices when the text turns
-    predictable again. Trees trained on code need this on a translation, where they are
+    held-out acceptance, counted as `prior_weight` rounds and forgotten like them). Below
+    round_cost it closes: rounds are plain steps, except one probing tree round every
+    `probe_every`, so that it notices when the text turns predictable again. Trees trained on code need this on a translation, where they are
     accepted almost never.
     """
 

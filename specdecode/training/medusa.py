@@ -99,7 +99,8 @@ def evaluate(heads, hidden, labels, valid, vocab_weight, vocab_index, batch: int
 
 
 @torch.no_grad()
-def rank_accuracy(heads, target, vocab: DraftVocab, hidden, labels, valid, top: int = TOP_RANKS) -> list[list[float]]:
+def rank_accuracy(heads, target, vocab: DraftVocab, hidden, labels, valid,
+                  top: int = TOP_RANKS) -> list[list[float]]:
     """accuracy[i][r]: P(head i's rank-r candidate is its label | heads before i had theirs
     in their top ranks), read through the draft vocabulary, on held-out positions."""
     features = heads(hidden.float()).to(target.dtype)  # (K, B, H)
