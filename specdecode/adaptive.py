@@ -148,8 +148,8 @@ class TreeGate:
     tokens per round, starting from the drafter's expected figure (`prior_tokens`, from
     held-out acceptance, counted as `prior_weight` rounds and forgotten like them). Below
     round_cost it closes: rounds are plain steps, except one probing tree round every
-    `probe_every`, so that it notices when the text turns predictable again. Trees trained on code need this on a translation, where they are
-    accepted almost never.
+    `probe_every`, so that it notices when the text turns predictable again. Trees
+    trained on code need this on a translation, where they are accepted almost never.
     """
 
     round_cost: float
