@@ -23,6 +23,11 @@ constexpr int64_t G = 4;      // 16-output blocks per group: one weight stream f
 constexpr int64_t TK = 32;    // bf16 elements of K per tile step
 constexpr int64_t MT = 16;    // rows of x per tile
 constexpr int64_t TILE = 512; // bf16 elements per weight tile: 16 pair-rows x 16 outputs x 2
+// Bytes ahead of the tiles being multiplied that are prefetched into L1: tile loads alone
+// leave the hardware prefetcher behind; one K step (4 KB) ahead streamed 3-8% faster here
+// (SmolLM2's layers 20.5-21.8 -> 22.2-23.1 GB/s, Qwen's 26.3-26.8 -> 26.9-27.8; 2 KB and
+// 6 KB ahead were within the noise of it, L2-only prefetches were slower).
+constexpr int64_t PREFETCH_AHEAD = 4096;
 
 
 struct TileConfig {
@@ -47,6 +52,8 @@ inline void group_tile(const uint16_t* wg, int64_t KS, const uint16_t* x, int64_
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t ks = 0; ks < KS; ++ks) {
     const uint16_t* wk = wg + ks * G * TILE;
+    const char* ahead = reinterpret_cast<const char*>(wk) + PREFETCH_AHEAD;
+    for (int64_t b = 0; b < G * TILE * 2; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     _tile_loadd(4, x + ks * TK, ldx * 2);
     _tile_loadd(5, wk, 64);            _tile_dpbf16ps(0, 4, 5);
     _tile_loadd(6, wk + TILE, 64);     _tile_dpbf16ps(1, 4, 6);
