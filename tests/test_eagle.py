@@ -145,3 +145,45 @@ def test_tree_size_is_bounded_where_bf16_rows_are_invariant_only_up_to_a_count()
 
     assert max_tree_nodes(OneDNN()) == 10  # root + 10 nodes = 11 rows
     assert max_tree_nodes(Any()) == MAX_TREE_NODES
+
+
+class EveryThirdRound:
+    """A tree gate stand-in: open on every third round only."""
+
+    def __init__(self):
+        self.asked = 0
+
+    def fresh(self):
+        return EveryThirdRound()
+
+    def open(self):
+        self.asked += 1
+        return self.asked % 3 == 0
+
+    def observe(self, num_accepted):
+        pass
+
+
+def test_eagle_feeds_its_head_only_on_tree_rounds_and_drafts_as_if_fed_every_round(tiny_llama):
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    stop = StopCondition(frozenset(), max_new_tokens=40)
+    prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain, _ = collect(decode(model, prompt, stop))
+    proposals, head_calls = {}, {}
+    for gated in (False, True):
+        drafter = EagleDrafter(model, random_head(model, 3), depth=3, top_k=2, gate=EveryThirdRound() if gated else None)
+        seen = proposals[gated] = {}
+        propose, head = drafter.propose_tree, drafter.head
+        drafter.propose_tree = lambda context, *a: seen.setdefault(len(context), propose(context, *a))
+        calls = head_calls[gated] = []
+        drafter.head = lambda *a, **kw: calls.append(1) or head(*a, **kw)
+        tokens, _ = collect(decode(model, prompt, stop, drafter=drafter))
+        assert tokens == plain
+    tree_rounds = [p for p in proposals[True].values() if p.tokens.numel()]
+    assert 0 < len(tree_rounds) < len(proposals[True]) / 2
+    assert len(head_calls[True]) == 3 * len(tree_rounds)  # the feed and two depths, on tree rounds only
+    # where both runs drafted at the same context, the deferred feed gave the same tree
+    common = [n for n, p in proposals[True].items() if p.tokens.numel() and n in proposals[False]]
+    assert common
+    for n in common:
+        assert proposals[True][n].tokens.tolist() == proposals[False][n].tokens.tolist()

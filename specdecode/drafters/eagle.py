@@ -3,7 +3,7 @@
 The head (eagle.py) keeps a cache of pairs (f_j, x_{j+1}): the target's true feature at
 each position it has processed, fused with the token that followed. Each round:
 
-1. feed the pairs the target produced since the last round (the engine hands their
+1. feed the pairs the target produced since the last tree round (the engine hands their
    features over with `observe_target`); the last output is the predicted feature at the
    pending token's position, whose LM-head distribution gives the root's children;
 2. grow: at each depth, expand the `top_k` nodes of the newest depth with the highest
@@ -67,19 +67,21 @@ class EagleDrafter:
     @torch.inference_mode()
     def propose_tree(self, context: Sequence[int], max_depth: int, sampling: SamplingConfig,
                      generator: torch.Generator | None) -> TreeProposal:
-        features = torch.cat(self.pending) if self.pending else None
-        self.pending = []
         n = len(context)
-        if features is None or self.fed + features.shape[0] != n - 1:
+        if sum(f.shape[0] for f in self.pending) + self.fed != n - 1:
             raise SpecDecodeError("EAGLE lost track of the target's features; start a new generation")
+        depth = max(0, min(max_depth, self.depth))
+        if depth == 0:
+            # A plain step (the gate is closed): the pairs wait for the next tree round, fed
+            # then in one head pass, so a closed gate costs no head pass per token.
+            return TreeProposal(build_tree([]), torch.empty(0, dtype=torch.long))
+        features = torch.cat(self.pending)
+        self.pending = []
         self.cache.truncate(self.fed)
         # 1. the new pairs (f_j, x_{j+1}), j = fed .. n-2; the last output predicts f at n-1
         tokens = torch.tensor(context[self.fed + 1:n])
         out = self.head(features, self.target.embed[tokens], torch.arange(self.fed, n - 1), self.cache)
         self.fed = n - 1
-        depth = max(0, min(max_depth, self.depth))
-        if depth == 0:
-            return TreeProposal(build_tree([]), torch.empty(0, dtype=torch.long))
 
         # node lists: token, parent (-1 = root), path score, depth, predicted feature of its parent
         node_token, node_parent, node_score, node_depth = [], [], [], []
