@@ -190,7 +190,8 @@ def test_smollm2_medusa_and_draft_tree_greedy_are_identical_to_plain():
 
 @pytest.mark.real
 def test_smollm2_eagle_chain_and_dynamic_tree_greedy_are_identical_to_plain():
-    """The EAGLE head shipped in the package, as a chain (top-1, 4 deep) and as a dynamic tree."""
+    """The EAGLE head shipped in the package, as a chain (top-1, 4 deep), as a dynamic tree
+    (top-3, 3 deep, 8 nodes) and in the shape its artifact chose."""
     import specdecode
     from specdecode.api import load_model, make_eagle
     from specdecode.drafters.eagle import EagleDrafter
@@ -204,8 +205,9 @@ def test_smollm2_eagle_chain_and_dynamic_tree_greedy_are_identical_to_plain():
     ids = encode_prompt(target.tokenizer, prompt)
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=48)
     plain, _ = collect(decode(target.model, ids, stop))
-    tree = make_eagle(target)
-    chain = EagleDrafter(target.model, tree.head, depth=4, top_k=1, num_nodes=4)
+    shipped = make_eagle(target)
+    chain = EagleDrafter(target.model, shipped.head, depth=4, top_k=1, num_nodes=4, vocab=shipped.vocab)
+    tree = EagleDrafter(target.model, shipped.head, depth=3, top_k=3, num_nodes=8, vocab=shipped.vocab)
     for drafter in (chain, tree):
         tokens, done = collect(decode(target.model, ids, stop, drafter=drafter))
         assert tokens == plain

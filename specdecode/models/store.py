@@ -344,21 +344,8 @@ def pull_spec(
         return final
     with _staging(spec.name) as work:
         gguf = fetch_gguf(spec, work, download=download, progress=progress)
-        start = time.perf_counter()
-        staged = work / "model"
-        facts = convert(gguf, staged, eos_token_ids=spec.eos_token_ids, progress=progress)
-        _say(progress, f"{spec.name}: converted to safetensors in {_since(start)}")
-        if keep_gguf:
-            os.replace(gguf, staged / gguf.name)
-        manifest = {
-            "manifest_version": MANIFEST_VERSION,
-            "name": spec.name,
-            "source_file": spec.filename,
-            "sha256": spec.sha256,
-            "bytes": spec.size,
-            **facts,
-        }
-        return _publish(staged, final, manifest)
+        return _convert_and_publish(gguf, work, final, spec.filename, spec.sha256, spec.size, progress,
+                                    convert=convert, keep_gguf=keep_gguf, eos_token_ids=spec.eos_token_ids)
 
 
 def convert_local_gguf(path: str | Path, progress: bool = True) -> Path:
@@ -376,19 +363,29 @@ def convert_local_gguf(path: str | Path, progress: bool = True) -> Path:
     if _cached(final, sha256):
         return final
     with _staging(name) as work:
-        start = time.perf_counter()
-        staged = work / "model"
-        facts = convert_gguf(path, staged, progress=progress)
-        _say(progress, f"{path.name}: converted to safetensors in {_since(start)}")
-        manifest = {
-            "manifest_version": MANIFEST_VERSION,
-            "name": name,
-            "source_file": str(path),
-            "sha256": sha256,
-            "bytes": path.stat().st_size,
-            **facts,
-        }
-        return _publish(staged, final, manifest)
+        return _convert_and_publish(path, work, final, str(path), sha256, path.stat().st_size, progress)
+
+
+def _convert_and_publish(gguf: Path, work: Path, final: Path, source_file: str, sha256: str, size: int,
+                         progress: bool, *, convert: Converter = convert_gguf, keep_gguf: bool = False,
+                         eos_token_ids: Sequence[int] | None = None) -> Path:
+    """Convert a verified GGUF file into work/model, then publish that as `final` with its
+    manifest (the source, its hash and size, and what the conversion found)."""
+    start = time.perf_counter()
+    staged = work / "model"
+    facts = convert(gguf, staged, eos_token_ids=eos_token_ids, progress=progress)
+    _say(progress, f"{final.name}: converted to safetensors in {_since(start)}")
+    if keep_gguf:
+        os.replace(gguf, staged / gguf.name)
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,
+        "name": final.name,
+        "source_file": source_file,
+        "sha256": sha256,
+        "bytes": size,
+        **facts,
+    }
+    return _publish(staged, final, manifest)
 
 
 def resolve(source: str, progress: bool = True) -> Path:
