@@ -15,8 +15,9 @@ tree with n nodes is the best n-node tree under the independence assumption.
 `choose_tree` then picks n by expected tokens per second:
 E[tokens] / (v(n+1) + c + (leaves - 1) l), with v the target's pass over n+1 tokens
 relative to one (tune.py measures it), c the drafter's cost per round relative to a
-plain step, and l what each root-to-leaf path beyond the first adds to the pass (exact
-bf16 trees attend path by path, models/path_attention.py; tune.measure_leaf_cost).
+plain step, and l what each root-to-leaf path beyond the first adds to the pass (where
+torch's attention runs, an exact tree attends path by path, models/path_attention.py;
+the bf16 kernel's is about 0; tune.measure_leaf_cost).
 """
 
 from __future__ import annotations

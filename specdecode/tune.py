@@ -83,8 +83,9 @@ def measure_verify_curve(model, sizes=VERIFY_SIZES, context: int = 256, repeats:
 
 
 def measure_leaf_cost(model, num_leaves: int = 8, context: int = 256, repeats: int = 5) -> float:
-    """Seconds each root-to-leaf path beyond the first adds to a tree pass: a tree pass
-    attends once per path (models/path_attention.py). Timed as a star of num_leaves
+    """Seconds each root-to-leaf path beyond the first adds to a tree pass: on torch's
+    attention a tree pass attends once per path (models/path_attention.py), on the bf16
+    kernel in one call (models/attention.cpp). Timed as a star of num_leaves
     children of the root against a chain of as many tokens, interleaved."""
     from .trees import build_tree, chain_tree, tree_attention
 

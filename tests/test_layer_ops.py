@@ -49,3 +49,54 @@ def test_rms_norm_is_within_bf16_rounding_of_torch():
     assert (fused != reference).float().mean() < 0.01
     rows = FusedOps.rms_norm(x[:1], weight, 1e-5)
     assert torch.equal(rows, fused[:1])  # a row does not depend on the others
+
+
+def reference_attention(qkv, keys, values, allowed, heads, kv_heads):
+    """fp32 attention of each row of qkv over the cache slots `allowed` lets it see."""
+    B, T, _ = qkv.shape
+    hd = keys.shape[-1]
+    q = qkv[..., : heads * hd].float().view(B, T, heads, hd).transpose(1, 2)  # (B, nh, T, hd)
+    k = keys.float().repeat_interleave(heads // kv_heads, dim=1)[:, :, : allowed.shape[-1]]
+    v = values.float().repeat_interleave(heads // kv_heads, dim=1)[:, :, : allowed.shape[-1]]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None])
+    return out.transpose(1, 2).reshape(B, T, heads * hd)
+
+
+def test_cache_attention_writes_the_cache_and_attends_like_torch():
+    heads, kv_heads, hd, start, T = 6, 2, 32, 40, 5
+    qkv = randn(2, T, (heads + 2 * kv_heads) * hd, seed=6)
+    keys, values = randn(2, kv_heads, 64, hd, seed=7), randn(2, kv_heads, 64, hd, seed=8)
+    causal = torch.ones(T, start + T, dtype=torch.bool).tril(start)[None].expand(2, -1, -1)
+    tree = causal.clone()
+    tree[:, 3, start + 1: start + 3] = False  # row 3 sees the prefix, row 0 and itself
+    for allowed in (None, causal.contiguous(), tree.contiguous()):
+        k, v = keys.clone(), values.clone()
+        out = FusedOps.cache_attention(qkv, k, v, start, allowed, heads, kv_heads)
+        new_k = qkv[..., heads * hd: (heads + kv_heads) * hd].view(2, T, kv_heads, hd).transpose(1, 2)
+        assert torch.equal(k[:, :, start: start + T], new_k) and torch.equal(k[:, :, :start], keys[:, :, :start])
+        expected = reference_attention(qkv, k, v, causal if allowed is None else allowed, heads, kv_heads)
+        assert (out.float() - expected).abs().max() < 0.02  # bf16 output, one rounding
+    assert not torch.equal(out, FusedOps.cache_attention(qkv, keys.clone(), values.clone(), start, None, heads,
+                                                         kv_heads))  # the tree row differs indeed
+
+
+def test_cache_attention_rows_depend_only_on_the_keys_they_see_in_order():
+    """What makes a bf16 tree pass bitwise plain decoding: a row's output is the same
+    whether its keys sit in consecutive slots or with gaps, and whatever other rows the
+    call has."""
+    heads, kv_heads, hd = 4, 1, 64
+    width = (heads + 2 * kv_heads) * hd
+    prefix, rows = 30, randn(1, 4, width, seed=9)  # rows 0 and 3 form a path; 1, 2 are siblings
+    cache_k, cache_v = randn(1, kv_heads, 64, hd, seed=10), randn(1, kv_heads, 64, hd, seed=11)
+    # a chain: rows 0, 3 at slots prefix, prefix + 1
+    chain = FusedOps.cache_attention(rows[:, [0, 3]].contiguous(), cache_k.clone(), cache_v.clone(), prefix, None,
+                                     heads, kv_heads)
+    # a tree: all four rows at slots prefix .. prefix + 3, row 3 seeing row 0 and itself only
+    allowed = torch.ones(1, 4, prefix + 4, dtype=torch.bool)
+    allowed[0, :, prefix:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    tree = FusedOps.cache_attention(rows, cache_k.clone(), cache_v.clone(), prefix, allowed, heads, kv_heads)
+    assert torch.equal(tree[:, 0], chain[:, 0]) and torch.equal(tree[:, 3], chain[:, 1])
+    # one row at a time
+    one = FusedOps.cache_attention(rows[:, :1].contiguous(), cache_k.clone(), cache_v.clone(), prefix, None,
+                                   heads, kv_heads)
+    assert torch.equal(one[:, 0], tree[:, 0])

@@ -1,5 +1,6 @@
-"""The AMX bf16 linear kernel (amx_linear.cpp) and the fused small ops of a bf16 layer
-(cpu_ops.cpp): one extension, built once per machine, loaded on demand.
+"""The AMX bf16 linear kernel (amx_linear.cpp), the fused small ops of a bf16 layer
+(cpu_ops.cpp) and its attention over the cache (attention.cpp): one extension, built once
+per machine, loaded on demand.
 
 `kernel()` returns the compiled module, or None where it cannot run (no AMX, no compiler)
 so that `Linear` falls back to oneDNN. The build (about a minute) goes to
@@ -26,7 +27,7 @@ from .store import home
 
 KERNEL_ENV = "SPECDECODE_KERNEL"
 CHOICES = ("auto", "amx", "onednn")
-SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "cpu_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "cpu_ops.cpp", "attention.cpp")]
 GROUP, STEP = 64, 32  # outputs per packed group, K per tile step (see amx_linear.cpp)
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a dead process
 

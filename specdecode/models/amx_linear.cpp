@@ -109,6 +109,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated, int64_t hd);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+// attention.cpp
+torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values, int64_t start,
+                              torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("request_amx", &request_amx);
@@ -117,4 +120,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rope_qkv", &rope_qkv);
   m.def("silu_mul", &silu_mul);
+  m.def("cache_attention", &cache_attention);
 }

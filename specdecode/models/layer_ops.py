@@ -68,11 +68,25 @@ class FusedOps:
         return tuple(amx.kernel().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps))
 
     @staticmethod
-    def rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+    def rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        """The fused qkv product with q and k rotated, unsplit: (B, T, (nh + 2 nkv) hd)."""
         table = (lambda t: t if t.dim() == 3 else t[None])
-        roped = amx.kernel().rope_qkv(qkv.contiguous(), table(cos).contiguous(), table(sin).contiguous(),
-                                      num_heads + num_kv_heads, head_dim)
-        return split_heads(roped, num_heads, num_kv_heads, head_dim)
+        return amx.kernel().rope_qkv(qkv.contiguous(), table(cos).contiguous(), table(sin).contiguous(),
+                                     num_heads + num_kv_heads, head_dim)
+
+    @staticmethod
+    def rope_qkv(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
+        return split_heads(FusedOps.rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim),
+                           num_heads, num_kv_heads, head_dim)
+
+    @staticmethod
+    def cache_attention(roped_qkv, keys, values, start, allowed, num_heads, num_kv_heads):
+        """Write the new keys and values at slots start, ... of one layer's cache buffers
+        (B, nkv, max_len, hd) and attend there (attention.cpp): (B, T, nh hd), each row over
+        the slots `allowed` (B or 1, T, start + T) lets it see (None: causal by slot)."""
+        no_mask = torch.empty(0, dtype=torch.bool)
+        return amx.kernel().cache_attention(roped_qkv, keys, values, start, no_mask if allowed is None else allowed,
+                                            num_heads, num_kv_heads)
 
     @staticmethod
     def silu_mul(gate_up):

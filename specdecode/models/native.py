@@ -16,12 +16,15 @@ folds the query heads of a group into the query length instead of copying keys.
 
 Batch invariance: a verify pass over k+1 tokens must give the same logits as k+1
 one-token passes, or greedy speculative output drifts from plain decoding. bf16 products
-are row-invariant here, but attention over the valid slots is not: the kernel splits keys
-into blocks by their count, so the rounding of a row depends on how many keys the call
-sees. Every call therefore attends over whole 512-key blocks of the cache buffer (whose
-length is a multiple of the block, kv_cache.py), masked; masked blocks add exact zeros,
-so a call reads only the blocks up to its last new slot. Within a block the kernel's
-sums group keys by slot too, so a tree pass attends path by path (path_attention.py).
+are row-invariant here. So is bf16 attention on the fused path (passes of up to
+FUSED_MAX_ROWS tokens with the extension built: every decoding and verify pass), whose
+kernel (attention.cpp) sums each row over the keys it sees, densely and in order, so a
+tree pass is exact in one call. torch's attention (fp32, and long prefills) is not: it
+splits keys into blocks by their count, so the rounding of a row depends on how many
+keys the call sees. Such calls therefore attend over whole 512-key blocks of the cache
+buffer (whose length is a multiple of the block, kv_cache.py), masked; masked blocks add
+exact zeros, so a call reads only the blocks up to its last new slot. Within a block its
+sums group keys by slot too, so there a tree pass attends path by path (path_attention.py).
 
 Left out: sliding windows, rope types other than default and llama3, anything but
 silu MLPs; `load.py` sends such models to the transformers adapter.
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .kv_cache import BLOCK, KVCache
-from .layer_ops import TorchOps, layer_ops
+from .layer_ops import FusedOps, TorchOps, layer_ops
 from .linear import ROW_INVARIANT_ROWS, Linear
 from .path_attention import PathPlan, plan_paths
 from .weights import load_weights
@@ -207,27 +210,31 @@ class NativeModel:
             positions = torch.arange(start, start + T)
         cos, sin = self._rope(positions)  # (T, hd) or (B, T, hd)
         group = c.num_heads // c.num_kv_heads
-        plans = plan_paths(mask, start) if mask is not None and B == 1 else None
-        if plans is None:
-            attention = [(None, self._attention_mask(mask, T, start, cache.max_len, group))]
+        # The fused ops are single-threaded loops, made for decoding's few rows; a prefill's
+        # many rows go to torch's threaded ops. Both paths of a generation prefill alike,
+        # and every verify pass stays under the bound, so exactness does not change.
+        ops, eps = (self.ops if B * T <= FUSED_MAX_ROWS else TorchOps), c.rms_norm_eps
+        if ops is FusedOps:  # attention.cpp: exact for any tree in one call, no additive mask
+            attention = self._allowed(mask, T, start)
         else:
-            attention = [(plan, self._path_mask(plan, start, cache.max_len, group)) for plan in plans]
-        # Additive masks made once per pass: given a boolean mask, attention would build this
-        # very one again in every layer (0 where allowed, -inf elsewhere, in the query dtype).
-        attention = [(plan, additive_mask(allowed, self.dtype)) for plan, allowed in attention]
+            plans = plan_paths(mask, start) if mask is not None and B == 1 else None
+            if plans is None:
+                attention = [(None, self._attention_mask(mask, T, start, cache.max_len, group))]
+            else:
+                attention = [(plan, self._path_mask(plan, start, cache.max_len, group)) for plan in plans]
+            # Additive masks made once per pass: given a boolean mask, attention would build this
+            # very one again in every layer (0 where allowed, -inf elsewhere, in the query dtype).
+            attention = [(plan, additive_mask(allowed, self.dtype)) for plan, allowed in attention]
 
         x = F.embedding(tokens, self.embed)  # (B, T, H)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x
-        # The fused ops are single-threaded loops, made for decoding's few rows; a prefill's
-        # many rows go to torch's threaded ops. Both paths of a generation prefill alike,
-        # and every verify pass stays under the bound, so exactness does not change.
-        ops, eps = (self.ops if B * T <= FUSED_MAX_ROWS else TorchOps), c.rms_norm_eps
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for i, layer in enumerate(self.layers):
-            x, h = ops.add_rms_norm(x, self._attention(layer, h, cos, sin, cache, i, attention, group),
-                                    layer.mlp_norm, eps)
+            attended = (self._fused_attention(layer, h, cos, sin, cache, i, attention) if ops is FusedOps
+                        else self._attention(layer, h, cos, sin, cache, i, attention, group))
+            x, h = ops.add_rms_norm(x, attended, layer.mlp_norm, eps)
             next_norm = self.layers[i + 1].attn_norm if i + 1 < c.num_layers else self.norm
             x, h = ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h))), next_norm, eps)
             if i + 1 in hidden_layers and i + 1 < c.num_layers:
@@ -241,6 +248,23 @@ class NativeModel:
         return ForwardOutput(self.lm_head(x).float(), hidden)
 
     __call__ = forward
+
+    @staticmethod
+    def _allowed(mask: torch.Tensor | None, T: int, start: int) -> torch.Tensor | None:
+        """The boolean mask as attention.cpp takes it: (B or 1, T, start + T), or None (causal)."""
+        if mask is None:
+            return None
+        if mask.shape[-2:] != (T, start + T):
+            raise ValueError(f"mask must be (..., {T}, {start + T}) over the cache, got {tuple(mask.shape)}")
+        return (mask if mask.dim() == 3 else mask[None]).to(torch.bool).contiguous()
+
+    def _fused_attention(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         cache: KVCache, index: int, allowed: torch.Tensor | None) -> torch.Tensor:
+        c = self.config
+        roped = FusedOps.rope(layer.qkv(x), cos, sin, c.num_heads, c.num_kv_heads, c.head_dim)
+        out = FusedOps.cache_attention(roped, cache.keys[index], cache.values[index], cache.length, allowed,
+                                       c.num_heads, c.num_kv_heads)
+        return layer.o(out)
 
     def _attention_mask(self, mask: torch.Tensor | None, T: int, start: int, max_len: int, group: int) -> torch.Tensor:
         """Boolean mask shaped for attention with query heads folded into the length."""

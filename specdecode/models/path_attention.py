@@ -13,6 +13,9 @@ the slots start, start + 1, ... in path order, and let the path's nodes that no 
 path answered attend causally there: exactly the layout plain decoding has. Every node
 is answered once; a tree with n leaves costs n attention calls per layer instead of one
 (attention is a small part of a step; the linear layers are shared, one pass).
+
+This is for torch's attention (fp32 models, long passes). bf16 decoding and verify
+passes go through attention.cpp, which is exact for a tree in one call.
 """
 
 from __future__ import annotations
