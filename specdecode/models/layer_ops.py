@@ -5,7 +5,8 @@ before the weight; rotate-half rope and SiLU in the model dtype). The fused ones
 step in one call instead of several, which matters on CPU where a decoding step's small
 tensors cost more in dispatch than in arithmetic. They are used for bf16 when the
 extension is built (amx.py); fp32 stays on torch, where plain decoding is tested to
-equal transformers' `generate` token for token.
+equal transformers' `generate` token for token. The fused set also has the layer's
+attention over the cache (attention.cpp), which torch's ops leave to native.py.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class TorchOps:
         return F.silu(gate) * up
 
 
+_CAUSAL = torch.empty(0, dtype=torch.bool)  # attention.cpp's "no mask": causal by slot
+
+
 class FusedOps:
     @staticmethod
     def rms_norm(x, weight, eps):
@@ -84,8 +88,7 @@ class FusedOps:
         """Write the new keys and values at slots start, ... of one layer's cache buffers
         (B, nkv, max_len, hd) and attend there (attention.cpp): (B, T, nh hd), each row over
         the slots `allowed` (B or 1, T, start + T) lets it see (None: causal by slot)."""
-        no_mask = torch.empty(0, dtype=torch.bool)
-        return amx.kernel().cache_attention(roped_qkv, keys, values, start, no_mask if allowed is None else allowed,
+        return amx.kernel().cache_attention(roped_qkv, keys, values, start, _CAUSAL if allowed is None else allowed,
                                             num_heads, num_kv_heads)
 
     @staticmethod
