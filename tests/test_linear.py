@@ -24,7 +24,7 @@ def weights(out_features: int, in_features: int, seed: int, bias: bool = True):
 
 
 @needs_amx
-@pytest.mark.parametrize("shape", [(2048, 1536), (100, 40), (64, 32), (7, 70)])
+@pytest.mark.parametrize("shape", [(2048, 1536), (576, 1536), (100, 40), (64, 32), (7, 70)])
 def test_amx_product_matches_fp32_reference_within_bf16_rounding(shape):
     w, b = weights(*shape, seed=0)
     layer = Linear(w, b)
@@ -38,7 +38,7 @@ def test_amx_product_matches_fp32_reference_within_bf16_rounding(shape):
 
 
 @needs_amx
-@pytest.mark.parametrize("shape", [(960, 576), (130, 100)])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (130, 100)])  # the first two split K
 def test_amx_rows_do_not_depend_on_the_row_count(shape):
     w, b = weights(*shape, seed=1)
     layer = Linear(w, b)

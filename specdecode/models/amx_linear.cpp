@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <vector>
 
 namespace {
 
@@ -28,6 +29,7 @@ constexpr int64_t TILE = 512; // bf16 elements per weight tile: 16 pair-rows x 1
 // (SmolLM2's layers 20.5-21.8 -> 22.2-23.1 GB/s, Qwen's 26.3-26.8 -> 26.9-27.8; 2 KB and
 // 6 KB ahead were within the noise of it, L2-only prefetches were slower).
 constexpr int64_t PREFETCH_AHEAD = 4096;
+constexpr int64_t SPLIT_K_BELOW_GROUPS = 16;  // see linear()
 
 
 struct TileConfig {
@@ -81,26 +83,42 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
   const uint16_t* w = (const uint16_t*)wp.data_ptr();
   const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+  // A matrix of few groups (a small model's 576 x 1536) splits unevenly across threads by
+  // group (9 groups: 5 and 4), so it also splits K in two halves, summed in order after.
+  // The split depends on the shape only, so every call rounds a row alike.
+  const int64_t parts = (NG < SPLIT_K_BELOW_GROUPS && KS >= 8) ? 2 : 1;
+  std::vector<float> partial(parts > 1 ? parts * M * N : 0);
+  at::parallel_for(0, NG * parts, 1, [&](int64_t u0, int64_t u1) {
     alignas(64) float c[MT * G * 16];
     int configured = -1;
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint16_t* wg = w + g * KS * G * TILE;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / parts, part = u % parts;
+      const int64_t k0 = KS * part / parts, k1 = KS * (part + 1) / parts;
+      const uint16_t* wg = w + (g * KS + k0) * G * TILE;
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int rows = (int)std::min(MT, M - m0);
         if (rows != configured) { configure(rows); configured = rows; }
-        group_tile(wg, KS, xp + m0 * Kp, Kp, c);
+        group_tile(wg, k1 - k0, xp + m0 * Kp + k0 * TK, Kp, c);
         const int64_t n0 = g * G * 16, n1 = std::min(N, n0 + G * 16);
         for (int r = 0; r < rows; ++r)
           for (int64_t n = n0; n < n1; ++n) {
-            float v = c[r * G * 16 + (n - n0)];
-            if (b) v += (float)b[n];
-            yp[(m0 + r) * N + n] = c10::BFloat16(v);
+            const float v = c[r * G * 16 + (n - n0)];
+            if (parts > 1) {
+              partial[(part * M + m0 + r) * N + n] = v;
+            } else {
+              yp[(m0 + r) * N + n] = c10::BFloat16(b ? v + (float)b[n] : v);
+            }
           }
       }
     }
     if (configured >= 0) _tile_release();
   });
+  if (parts > 1)
+    for (int64_t i = 0; i < M * N; ++i) {
+      float v = partial[i];
+      for (int64_t part = 1; part < parts; ++part) v += partial[part * M * N + i];
+      yp[i] = c10::BFloat16(b ? v + (float)b[i % N] : v);
+    }
   return y;
 }
 
