@@ -89,6 +89,11 @@ def key_slots(end: int, max_len: int) -> int:
     return min(max_len, -(-end // BLOCK) * BLOCK)
 
 
+def check_mask_shape(mask: torch.Tensor, T: int, start: int) -> None:
+    if mask.shape[-2:] != (T, start + T):
+        raise ValueError(f"mask must be (..., {T}, {start + T}) over the cache, got {tuple(mask.shape)}")
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
@@ -254,8 +259,7 @@ class NativeModel:
         """The boolean mask as attention.cpp takes it: (B or 1, T, start + T), or None (causal)."""
         if mask is None:
             return None
-        if mask.shape[-2:] != (T, start + T):
-            raise ValueError(f"mask must be (..., {T}, {start + T}) over the cache, got {tuple(mask.shape)}")
+        check_mask_shape(mask, T, start)
         return (mask if mask.dim() == 3 else mask[None]).to(torch.bool).contiguous()
 
     def _fused_attention(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -271,8 +275,8 @@ class NativeModel:
         if mask is None:
             slots = torch.arange(start + T)
             mask = slots[None, :] <= (start + torch.arange(T))[:, None]  # causal by slot
-        elif mask.shape[-2:] != (T, start + T):
-            raise ValueError(f"mask must be (..., {T}, {start + T}) over the cache, got {tuple(mask.shape)}")
+        else:
+            check_mask_shape(mask, T, start)
         if mask.dim() == 2:
             mask = mask[None]
         mask = F.pad(mask, (0, key_slots(start + T, max_len) - start - T), value=False)  # past the new tokens
