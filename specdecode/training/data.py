@@ -6,30 +6,54 @@ import hashlib
 import json
 from pathlib import Path
 
-from .corpus import instruction_prompts, stdlib_documents
-from .features import Features, collect
+from .corpus import stdlib_documents
+from .features import Features, collect, concat
+from .instructions import instruction_prompts
 
 CHUNK = 512  # tokens per teacher-forced pass
+CORPUS_VERSION = 2  # bump when the training text changes, so cached features are not reused
+ANSWER_BATCH = 64  # prompts answered together: a step reads the weights once for all of them
+MAX_PROMPT_TOKENS = 384
 FEATURES_DIR = "training-features"  # beside the target's cached weights, shared by every head
 
 
-def answer_documents(target, num_answers: int, answer_tokens: int, log=print) -> list[list[int]]:
-    """Chat-templated prompt + the target's own greedy answer, for the first prompts."""
+def answer_features(target, num_answers: int, answer_tokens: int, work: Path, batch_size: int = ANSWER_BATCH,
+                    log=print) -> Features:
+    """The target's greedy answers to the first num_answers training instructions, with
+    its features along them (batch_greedy.py). Prompts are sorted by length so that a
+    batch pads little; each finished batch is saved, so an interrupted run resumes."""
     from tqdm import tqdm
 
-    from ..drafters import PromptLookup
-    from ..engine import decode
-    from ..events import collect as collect_events
     from ..prompts import encode_prompt
-    from ..stopping import StopCondition
+    from .batch_greedy import answer_features as batch_features
 
-    stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=answer_tokens)
-    documents = []
-    for prompt in tqdm(instruction_prompts()[:num_answers], desc="target answers", unit="prompt"):
-        prompt_ids = encode_prompt(target.tokenizer, prompt)[-CHUNK:]
-        answer, _ = collect_events(decode(target.model, prompt_ids, stop, drafter=PromptLookup(), k=4))
-        documents.append((prompt_ids + answer)[-CHUNK:])
-    return documents
+    prompts = [ids for text in instruction_prompts()
+               if len(ids := encode_prompt(target.tokenizer, text)) <= MAX_PROMPT_TOKENS][:num_answers]
+    if len(prompts) < num_answers:
+        log(f"only {len(prompts)} training instructions fit; answering those")
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    folder = work / f"answers-{_key(target, num_answers, answer_tokens, batch_size)}"
+    folder.mkdir(parents=True, exist_ok=True)
+    eos = frozenset(target.info.eos_token_ids)
+    parts = []
+    with tqdm(total=len(prompts), desc="target answers", unit="prompt") as bar:
+        for number, batch in enumerate(batches):
+            path = folder / f"batch-{number:05d}.safetensors"
+            if path.is_file():
+                part = Features.load(path)
+            else:
+                part = batch_features(target.model, [prompts[i] for i in batch], answer_tokens, eos,
+                                      first_doc=number * batch_size)
+                part.save(path)
+            parts.append(part)
+            bar.update(len(batch))
+    return concat(parts)
+
+
+def _key(*settings) -> str:
+    target, *rest = settings
+    return hashlib.sha256(json.dumps([CORPUS_VERSION, target.info.sha256, *rest]).encode()).hexdigest()[:12]
 
 
 def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answers: int, answer_tokens: int,
@@ -38,17 +62,20 @@ def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answ
     computed once per setting, then read from the work folder."""
     from tqdm import tqdm
 
-    key = json.dumps([target.info.sha256, layers, num_tokens, num_answers, answer_tokens, CHUNK])
-    path = work / f"features-{hashlib.sha256(key.encode()).hexdigest()[:12]}.safetensors"
+    from ..errors import SpecDecodeError
+
+    path = work / f"features-{_key(target, layers, num_tokens, num_answers, answer_tokens, CHUNK)}.safetensors"
     if path.is_file():
         log(f"reusing the target's features from {path}")
         return Features.load(path)
     work.mkdir(parents=True, exist_ok=True)
-    documents = answer_documents(target, num_answers, answer_tokens, log) if num_answers else []
-    documents += stdlib_documents(target.tokenizer, num_tokens, CHUNK)
-    bar = tqdm(total=sum(map(len, documents)), desc="target features", unit="tok")
-    features = collect(target.model, documents, layers, progress=bar.update)
-    bar.close()
+    parts = [answer_features(target, num_answers, answer_tokens, work, log=log)] if num_answers else []
+    if documents := stdlib_documents(target.tokenizer, num_tokens, CHUNK):
+        with tqdm(total=sum(map(len, documents)), desc="target features", unit="tok") as bar:
+            parts.append(collect(target.model, documents, layers, progress=bar.update))
+    if not parts:
+        raise SpecDecodeError("no training text: give --tokens or --answers a positive number")
+    features = concat(parts)
     features.save(path)
     return features
 

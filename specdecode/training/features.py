@@ -58,3 +58,15 @@ def collect(model, documents: list[list[int]], layers: tuple[int, ...], progress
             progress(len(doc))
     return Features(torch.cat(tokens), torch.cat(labels), torch.cat(doc_ids),
                     {layer: torch.cat(h) for layer, h in hidden.items()})
+
+
+def concat(parts: list[Features]) -> Features:
+    """One training set of several, each part's documents numbered after the last part's."""
+    parts = [p for p in parts if len(p)]
+    offset, doc_ids = 0, []
+    for part in parts:
+        doc_ids.append(part.doc_ids - int(part.doc_ids.min()) + offset)
+        offset = int(doc_ids[-1].max()) + 1
+    layers = parts[0].hidden.keys()
+    return Features(torch.cat([p.tokens for p in parts]), torch.cat([p.labels for p in parts]), torch.cat(doc_ids),
+                    {layer: torch.cat([p.hidden[layer] for p in parts]) for layer in layers})
