@@ -193,13 +193,17 @@ def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: i
 
 
 def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: int = 24, answer_tokens: int = 128,
-                    epochs: float = 2.0, out: str | Path | None = None, log=print) -> Path:
+                    epochs: float = 2.0, out: str | Path | None = None, intermediate_size: int | None = None,
+                    log=print) -> Path:
     from .data import prepare
+    from ..errors import SpecDecodeError
 
+    if intermediate_size is not None and intermediate_size <= 0:
+        raise SpecDecodeError("--intermediate-size must be positive")
     target, features, folder, work = prepare(target_name, out, eagle.default_dir, num_tokens, num_answers,
                                              answer_tokens, epochs, "EAGLE", log)
     lm_weight = lm_head_weight(target)
-    head, record = train(target.model, features, lm_weight, EagleTrainConfig(epochs=epochs), work,
+    head, record = train(target.model, features, lm_weight, EagleTrainConfig(epochs=epochs, intermediate_size=intermediate_size), work,
                          target_name, target.info.sha256, log)
     log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
         f"top-1 {record['held_out_top1_before']:.3f} -> {record['held_out_top1_after']:.3f}")
