@@ -32,6 +32,9 @@ from .medusa import max_tree_nodes, split
 TOKEN_LOSS_WEIGHT = 1.0
 
 
+SHAPE_DOCUMENTS = 40  # held-out documents the tree shape is measured on
+
+
 @dataclass
 class EagleTrainConfig:
     epochs: float = 2.0
@@ -217,7 +220,9 @@ def measure_shape(model, head, vocab: DraftVocab, features: Features, log=print)
     the dynamic tree's depth, top-k and size chosen from them."""
     head = head.to(model.dtype).eval().pack_for_drafting()  # as EagleDrafter runs it
     _, held_idx = split(features)
-    accuracy = depth_accuracy(head, model, vocab, features, documents(features, held_idx)[:40])
+    held = documents(features, held_idx)
+    held = held[::max(1, len(held) // SHAPE_DOCUMENTS)][:SHAPE_DOCUMENTS]  # spread over every kind of text
+    accuracy = depth_accuracy(head, model, vocab, features, held)
     return shape_for(model, head, vocab, accuracy, log)
 
 
