@@ -60,3 +60,6 @@ def test_answer_features_match_a_teacher_forced_pass(tiny_qwen2):
     torch.testing.assert_close(got.hidden[layer].float(), want.hidden[layer].float(), atol=2e-2, rtol=2e-2)
     ends = torch.cumsum(torch.tensor([len(p) + len(a) - 1 for p, a in zip(PROMPTS, answers)]), 0) - 1
     assert got.labels[ends].tolist() == [a[-1] for a in answers]  # each answer's last token: a label only
+    within = torch.cat([torch.arange(len(p) + len(a) - 1) for p, a in zip(PROMPTS, answers)])
+    prompt_len = torch.cat([torch.full((len(p) + len(a) - 1,), len(p)) for p, a in zip(PROMPTS, answers)])
+    assert torch.equal(got.drafted, within >= prompt_len - 1)  # drafting starts at a prompt's last token

@@ -52,7 +52,7 @@ def answer_features(model, prompts: list[list[int]], max_new_tokens: int, eos_id
     from its logits, on the answer the next answer token. An answer's last token is never
     fed, so it is a label only."""
     answers, prompt_hidden, step_hidden = _decode(model, prompts, max_new_tokens, eos_ids, record=True)
-    tokens, labels, doc_ids, hidden = [], [], [], []
+    tokens, labels, doc_ids, hidden, drafted = [], [], [], [], []
     L = prompt_hidden.shape[1]
     for row, (prompt, answer) in enumerate(zip(prompts, answers)):
         if not answer:
@@ -64,8 +64,10 @@ def answer_features(model, prompts: list[list[int]], max_new_tokens: int, eos_id
         labels.append(torch.cat([prompt_labels, torch.tensor(answer[1:], dtype=torch.long)]))
         doc_ids.append(torch.full((len(h),), first_doc + row))
         hidden.append(h.to(torch.bfloat16))
+        drafted.append(torch.arange(len(h)) >= len(prompt) - 1)  # decoding drafts from here on
     layer = model.config.num_layers
-    return Features(torch.cat(tokens), torch.cat(labels), torch.cat(doc_ids), {layer: torch.cat(hidden)})
+    return Features(torch.cat(tokens), torch.cat(labels), torch.cat(doc_ids), {layer: torch.cat(hidden)},
+                    torch.cat(drafted))
 
 
 def _decode(model, prompts, max_new_tokens, eos_ids, record):

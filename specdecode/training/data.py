@@ -21,7 +21,8 @@ def answer_features(target, num_answers: int, answer_tokens: int, work: Path, ba
                     log=print) -> Features:
     """The target's greedy answers to the first num_answers training instructions, with
     its features along them (batch_greedy.py). Prompts are sorted by length so that a
-    batch pads little; each finished batch is saved, so an interrupted run resumes."""
+    batch pads little; each finished batch is saved, so an interrupted run resumes, and a
+    later training with the same settings reads them instead of answering again."""
     from tqdm import tqdm
 
     from ..prompts import encode_prompt
@@ -59,25 +60,21 @@ def _key(*settings) -> str:
 def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answers: int, answer_tokens: int,
                       work: Path, log=print) -> Features:
     """Features of the target's answers and of standard-library source (num_tokens of it);
-    computed once per setting, then read from the work folder."""
+    each computed once per setting and kept in the work folder. Answers record the final
+    layer only, the one both heads read."""
     from tqdm import tqdm
 
-    from ..errors import SpecDecodeError
-
-    path = work / f"features-{_key(target, layers, num_tokens, num_answers, answer_tokens, CHUNK)}.safetensors"
-    if path.is_file():
-        log(f"reusing the target's features from {path}")
-        return Features.load(path)
     work.mkdir(parents=True, exist_ok=True)
     parts = [answer_features(target, num_answers, answer_tokens, work, log=log)] if num_answers else []
-    if documents := stdlib_documents(target.tokenizer, num_tokens, CHUNK):
+    path = work / f"stdlib-{_key(target, layers, num_tokens, CHUNK)}.safetensors"
+    if path.is_file():
+        log(f"reusing the target's features of standard-library source from {path}")
+        parts.append(Features.load(path))
+    elif documents := stdlib_documents(target.tokenizer, num_tokens, CHUNK):
         with tqdm(total=sum(map(len, documents)), desc="target features", unit="tok") as bar:
             parts.append(collect(target.model, documents, layers, progress=bar.update))
-    if not parts:
-        raise SpecDecodeError("no training text: give --tokens or --answers a positive number")
-    features = concat(parts)
-    features.save(path)
-    return features
+        parts[-1].save(path)
+    return concat(parts)
 
 
 def prepare(target_name: str, out, default_dir, num_tokens: int, num_answers: int, answer_tokens: int,
@@ -91,6 +88,8 @@ def prepare(target_name: str, out, default_dir, num_tokens: int, num_answers: in
 
     if num_tokens < 0 or num_answers < 0 or epochs <= 0:
         raise SpecDecodeError("--tokens, --answers and --epochs must be positive")
+    if num_tokens == 0 and num_answers == 0:
+        raise SpecDecodeError("no training text: give --tokens or --answers a positive number")
     target = load_model(target_name)
     if not hasattr(target.model, "lm_head_weight"):
         raise SpecDecodeError(f"{what} needs the native backend (a Llama-family target)")

@@ -145,6 +145,9 @@ def depth_accuracy(head, target, vocab: DraftVocab, features: Features, docs, ma
         predicted = head(hidden[doc[:-1]].to(dtype), target.embed[tokens[1:]], pos, cache)  # f̂ at 1..L-1
         rows = torch.arange(L - 1)  # row i: drafting after position i (the pending token is x_{i+1})
         feature, chain = predicted, []
+        if features.drafted is not None and bool(features.drafted[doc[:-1]].any()):
+            start = features.drafted[doc[:-1]]  # where decoding drafts: inside the target's answer
+            rows, feature = rows[start], feature[start]
         for d in range(max_depth):
             # depth d+1 candidates come from the feature predicted for position i+1+d
             target_pos = rows + 1 + d

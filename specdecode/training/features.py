@@ -24,6 +24,9 @@ class Features:
     labels: torch.Tensor  # (T,) long, the target's argmax after each position
     doc_ids: torch.Tensor  # (T,) long
     hidden: dict[int, torch.Tensor]  # layer -> (T, H) bf16
+    # (T,) bool: positions inside the target's own answer (from its prompt's last token on),
+    # where decoding drafts; tree shapes are chosen by accuracy there. None: none are.
+    drafted: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -31,6 +34,8 @@ class Features:
     def save(self, path: Path) -> None:
         tensors = {"tokens": self.tokens, "labels": self.labels, "doc_ids": self.doc_ids}
         tensors |= {f"hidden.{layer}": h.contiguous() for layer, h in self.hidden.items()}
+        if self.drafted is not None:
+            tensors["drafted"] = self.drafted
         partial = path.with_name(path.name + ".partial")
         save_file(tensors, partial)
         partial.replace(path)
@@ -39,7 +44,13 @@ class Features:
     def load(cls, path: Path) -> "Features":
         t = load_file(path)
         hidden = {int(name.split(".")[1]): v for name, v in t.items() if name.startswith("hidden.")}
-        return cls(t["tokens"], t["labels"], t["doc_ids"], hidden)
+        return cls(t["tokens"], t["labels"], t["doc_ids"], hidden, t.get("drafted"))
+
+    def drafted_or_none(self, indices: torch.Tensor) -> torch.Tensor:
+        """The drafted ones among `indices`, or all of them when no position is drafted."""
+        if self.drafted is None or not bool(self.drafted[indices].any()):
+            return indices
+        return indices[self.drafted[indices]]
 
 
 def collect(model, documents: list[list[int]], layers: tuple[int, ...], progress=None) -> Features:
@@ -68,5 +79,9 @@ def concat(parts: list[Features]) -> Features:
         doc_ids.append(part.doc_ids - int(part.doc_ids.min()) + offset)
         offset = int(doc_ids[-1].max()) + 1
     layers = parts[0].hidden.keys()
+    drafted = None
+    if any(p.drafted is not None for p in parts):
+        drafted = torch.cat([p.drafted if p.drafted is not None else torch.zeros(len(p), dtype=torch.bool)
+                             for p in parts])
     return Features(torch.cat([p.tokens for p in parts]), torch.cat([p.labels for p in parts]), torch.cat(doc_ids),
-                    {layer: torch.cat([p.hidden[layer] for p in parts]) for layer in layers})
+                    {layer: torch.cat([p.hidden[layer] for p in parts]) for layer in layers}, drafted)

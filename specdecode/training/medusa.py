@@ -41,6 +41,7 @@ def max_tree_nodes(model) -> int:
     rows = getattr(model, "row_invariant_rows", None)
     return MAX_TREE_NODES if rows is None else min(MAX_TREE_NODES, rows - 1)
 TOP_RANKS = 4
+ACCURACY_POSITIONS = 4096  # held-out positions, spread over the set, that measure accuracy
 
 
 @dataclass
@@ -154,7 +155,8 @@ def train(target, features: Features, lm_weight: torch.Tensor, config: TrainConf
                "reduced_vocab": vocab_weight.shape[0], "seconds_this_run": round(time.perf_counter() - started, 1)}
     heads.draft_vocab = torch.unique(features.labels)  # the rows its loss was trained on
     vocab = DraftVocab.rows(lm_weight, heads.draft_vocab, target.dtype)
-    sample = held_idx[:4096]
+    drafting = features.drafted_or_none(held_idx)  # where decoding drafts, when the data says
+    sample = drafting[::max(1, len(drafting) // ACCURACY_POSITIONS)][:ACCURACY_POSITIONS]
     record["accuracy"] = rank_accuracy(heads, target, vocab, hidden[sample], labels[sample], valid[sample])
     return heads, record
 
