@@ -82,7 +82,9 @@ def _decode(model, prompts, max_new_tokens, eos_ids, record):
     B, L = tokens.shape
     cache = model.new_cache(B, L + max_new_tokens)
     out = model(tokens, cache, positions=positions, mask=mask, num_logits=1, hidden_layers=layers)
-    logits, prompt_hidden, steps = out.logits[:, -1], out.hidden_states.get(layers[0]) if record else None, []
+    logits = out.logits[:, -1]
+    prompt_hidden = out.hidden_states[layers[0]] if record else None
+    steps = []  # (B, 1, H) per step, when record
     real_keys = mask[:, -1, :]  # (B, L): the slots a row's later tokens may see
     next_pos = positions[:, -1] + 1
     answers: list[list[int]] = [[] for _ in prompts]
@@ -102,5 +104,6 @@ def _decode(model, prompts, max_new_tokens, eos_ids, record):
         if record:
             steps.append(out.hidden_states[layers[0]])
         next_pos = next_pos + 1
-    step_hidden = torch.cat(steps, dim=1) if steps else prompt_hidden[:, :0] if record else None
-    return answers, prompt_hidden, step_hidden
+    if not record:
+        return answers, None, None
+    return answers, prompt_hidden, torch.cat(steps, dim=1) if steps else prompt_hidden[:, :0]
