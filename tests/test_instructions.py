@@ -1,6 +1,8 @@
 """Training instructions: thousands, every kind early in the list, fixed order, and none
 of the text the bench's suites ask about (the suites stay held out)."""
 
+import pytest
+
 from specdecode.suites import SUITES, load_suite
 from specdecode.training.instructions import instruction_prompts
 
@@ -14,8 +16,12 @@ MARKERS = {  # a phrase each kind's prompts start with
 }
 
 
-def test_many_prompts_every_kind_early_fixed_order():
-    prompts = instruction_prompts()
+@pytest.fixture(scope="module")
+def prompts():
+    return instruction_prompts()
+
+
+def test_many_prompts_every_kind_early_fixed_order(prompts):
     assert len(prompts) > 3000
     assert prompts == instruction_prompts()
     assert len(set(prompts)) > 0.95 * len(prompts)
@@ -27,8 +33,7 @@ def test_many_prompts_every_kind_early_fixed_order():
     assert sum(MARKERS["code"] in p for p in prompts[:90]) >= 25  # code three times as often as each other kind
 
 
-def test_no_suite_text_in_training():
-    prompts = instruction_prompts()
+def test_no_suite_text_in_training(prompts):
     corpus = "\n".join(prompts)
     for suite in SUITES:
         for question in load_suite(suite):
