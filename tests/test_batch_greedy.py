@@ -63,3 +63,19 @@ def test_answer_features_match_a_teacher_forced_pass(tiny_qwen2):
     within = torch.cat([torch.arange(len(p) + len(a) - 1) for p, a in zip(PROMPTS, answers)])
     prompt_len = torch.cat([torch.full((len(p) + len(a) - 1,), len(p)) for p, a in zip(PROMPTS, answers)])
     assert torch.equal(got.drafted, within >= prompt_len - 1)  # drafting starts at a prompt's last token
+
+
+def test_concat_renumbers_documents_and_keeps_drafted():
+    from specdecode.training.features import Features, concat
+
+    def part(doc_ids, drafted=None):
+        n = len(doc_ids)
+        return Features(torch.arange(n), torch.arange(n), torch.tensor(doc_ids), {2: torch.zeros(n, 4)}, drafted)
+
+    answers = part([64, 64, 65], torch.tensor([False, True, True]))
+    source = part([0, 0, 1, 1])
+    both = concat([answers, source])
+    assert both.doc_ids.tolist() == [0, 0, 1, 2, 2, 3, 3]
+    assert both.drafted.tolist() == [False, True, True, False, False, False, False]
+    assert both.drafted_among(torch.tensor([0, 1, 5])).tolist() == [1]
+    assert source.drafted_among(torch.tensor([0, 3])).tolist() == [0, 3]  # nothing drafted: all of them

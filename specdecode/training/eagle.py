@@ -209,8 +209,8 @@ def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: in
     target, features, folder, work = prepare(target_name, out, eagle.default_dir, num_tokens, num_answers,
                                              answer_tokens, epochs, "EAGLE", log)
     lm_weight = lm_head_weight(target)
-    head, record = train(target.model, features, lm_weight, EagleTrainConfig(epochs=epochs, intermediate_size=intermediate_size), work,
-                         target_name, target.info.sha256, log)
+    config = EagleTrainConfig(epochs=epochs, intermediate_size=intermediate_size)
+    head, record = train(target.model, features, lm_weight, config, work, target_name, target.info.sha256, log)
     log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
         f"top-1 {record['held_out_top1_before']:.3f} -> {record['held_out_top1_after']:.3f}")
     vocab = DraftVocab.rows(lm_weight, head.draft_vocab, target.model.dtype)

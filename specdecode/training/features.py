@@ -46,7 +46,7 @@ class Features:
         hidden = {int(name.split(".")[1]): v for name, v in t.items() if name.startswith("hidden.")}
         return cls(t["tokens"], t["labels"], t["doc_ids"], hidden, t.get("drafted"))
 
-    def drafted_or_none(self, indices: torch.Tensor) -> torch.Tensor:
+    def drafted_among(self, indices: torch.Tensor) -> torch.Tensor:
         """The drafted ones among `indices`, or all of them when no position is drafted."""
         if self.drafted is None or not bool(self.drafted[indices].any()):
             return indices

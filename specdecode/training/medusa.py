@@ -155,7 +155,7 @@ def train(target, features: Features, lm_weight: torch.Tensor, config: TrainConf
                "reduced_vocab": vocab_weight.shape[0], "seconds_this_run": round(time.perf_counter() - started, 1)}
     heads.draft_vocab = torch.unique(features.labels)  # the rows its loss was trained on
     vocab = DraftVocab.rows(lm_weight, heads.draft_vocab, target.dtype)
-    drafting = features.drafted_or_none(held_idx)  # where decoding drafts, when the data says
+    drafting = features.drafted_among(held_idx)  # where decoding drafts, when the data says
     sample = drafting[::max(1, len(drafting) // ACCURACY_POSITIONS)][:ACCURACY_POSITIONS]
     record["accuracy"] = rank_accuracy(heads, target, vocab, hidden[sample], labels[sample], valid[sample])
     return heads, record
