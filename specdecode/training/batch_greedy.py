@@ -88,14 +88,14 @@ def _decode(model, prompts, max_new_tokens, eos_ids, record):
     real_keys = mask[:, -1, :]  # (B, L): the slots a row's later tokens may see
     next_pos = positions[:, -1] + 1
     answers: list[list[int]] = [[] for _ in prompts]
-    done = torch.zeros(B, dtype=torch.bool)
+    done = [False] * B
     for step in range(max_new_tokens):
         chosen = logits.argmax(dim=-1)
-        for row in range(B):
+        for row, token in enumerate(chosen.tolist()):
             if not done[row]:
-                answers[row].append(int(chosen[row]))
-                done[row] = int(chosen[row]) in eos_ids
-        if bool(done.all()) or step == max_new_tokens - 1:
+                answers[row].append(token)
+                done[row] = token in eos_ids
+        if all(done) or step == max_new_tokens - 1:
             break
         real_keys = torch.cat([real_keys, torch.ones(B, 1, dtype=torch.bool)], dim=1)
         out = model(chosen[:, None], cache, positions=next_pos[:, None], mask=real_keys[:, None, :],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from itertools import islice
 from pathlib import Path
 
 from .corpus import stdlib_documents
@@ -28,8 +29,8 @@ def answer_features(target, num_answers: int, answer_tokens: int, work: Path, ba
     from ..prompts import encode_prompt
     from .batch_greedy import answer_features as batch_features
 
-    prompts = [ids for text in instruction_prompts()
-               if len(ids := encode_prompt(target.tokenizer, text)) <= MAX_PROMPT_TOKENS][:num_answers]
+    encoded = (encode_prompt(target.tokenizer, text) for text in instruction_prompts())
+    prompts = list(islice((ids for ids in encoded if len(ids) <= MAX_PROMPT_TOKENS), num_answers))
     if len(prompts) < num_answers:
         log(f"only {len(prompts)} training instructions fit; answering those")
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
