@@ -83,21 +83,23 @@ def _math_problem(rng: random.Random) -> str:
     return rng.choice(templates)
 
 
-def _functions() -> list[tuple[str, ast.FunctionDef, list[str]]]:
-    """(module, function node, the file's lines) of documented, not-too-long functions."""
-    found = []
+def _modules() -> list[tuple[str, ast.Module, list[str]]]:
+    """(name, syntax tree, lines) of every usable standard-library module, parsed once."""
+    parsed = []
     for path in stdlib_files():
         text = path.read_text(encoding="utf-8", errors="replace")
         try:
-            tree = ast.parse(text)
+            parsed.append((path.stem, ast.parse(text), text.splitlines(keepends=True)))
         except SyntaxError:
             continue
-        lines = text.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if (isinstance(node, ast.FunctionDef) and ast.get_docstring(node)
-                    and node.end_lineno - node.lineno < MAX_FUNCTION_LINES and not node.name.startswith("_")):
-                found.append((path.stem, node, lines))
-    return found
+    return parsed
+
+
+def _functions(modules) -> list[tuple[str, ast.FunctionDef, list[str]]]:
+    """(module, function node, the file's lines) of documented, not-too-long functions."""
+    return [(name, node, lines) for name, tree, lines in modules for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node)
+            and node.end_lineno - node.lineno < MAX_FUNCTION_LINES and not node.name.startswith("_")]
 
 
 def _source(node: ast.FunctionDef, lines: list[str]) -> str:
@@ -122,7 +124,8 @@ def _interleave(kinds: list[list[str]]) -> list[str]:
 def instruction_prompts(seed: int = 0) -> list[str]:
     """Every training instruction, in a fixed order that mixes the kinds."""
     rng = random.Random(seed)
-    functions = _functions()
+    modules = _modules()
+    functions = _functions(modules)
     rng.shuffle(functions)
     humaneval = [HUMANEVAL_TEMPLATE.format(prompt=p["prompt"])
                  for i, p in enumerate(_humaneval_problems()) if i % HUMANEVAL_STRIDE]
@@ -135,13 +138,10 @@ def instruction_prompts(seed: int = 0) -> list[str]:
                for i, (_, node, lines) in enumerate(reversed(functions))]
 
     summaries, sentences = [], []
-    for path in stdlib_files():
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8", errors="replace")))
-        except SyntaxError:
-            continue
+    for name, tree, _ in modules:
+        doc = ast.get_docstring(tree)
         if doc and len(doc.split()) >= 60:
-            summaries.append(SUMMARY_TEMPLATE.format(module=path.stem, text=truncate_words(doc)))
+            summaries.append(SUMMARY_TEMPLATE.format(module=name, text=truncate_words(doc)))
     for _, node, _ in functions:
         sentences += _sentences(ast.get_docstring(node))[:1]
     translations = [TRANSLATION_TEMPLATE.format(source="English", target=LANGUAGES[i % len(LANGUAGES)], text=s)
