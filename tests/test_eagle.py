@@ -12,7 +12,7 @@ from specdecode.events import collect
 from specdecode.models.native import NativeModel
 from specdecode.sampling import SamplingConfig, logits_to_probs
 from specdecode.stopping import StopCondition
-from specdecode.training.eagle import EagleTrainConfig, choose_shape, measure_shape, train
+from specdecode.training.eagle import EagleTrainConfig, choose_shape, measure_shape, pack, packed_loss, train
 from specdecode.training.features import collect as collect_features
 
 from .conftest import save_tiny
@@ -98,7 +98,7 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
         docs.append(doc)
     features = collect_features(model, docs, (model.config.num_layers,))
     lm_weight = lm_weight_of(tiny_llama)
-    config = EagleTrainConfig(epochs=6, lr=3e-3, intermediate_size=64, checkpoint_every=20)
+    config = EagleTrainConfig(epochs=6, lr=3e-3, intermediate_size=64, checkpoint_every=20, tokens_per_step=80)
     head, record = train(model, features, lm_weight, config, tmp_path, "tiny", None, log=lambda _: None)
     assert record["held_out_loss_after"] < 0.7 * record["held_out_loss_before"]
     assert record["held_out_top1_after"] > record["held_out_top1_before"]
@@ -120,6 +120,32 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
         assert torch.equal(a.to(torch.bfloat16).float(), b), name
     with pytest.raises(Exception, match="no EAGLE head"):
         eagle.load(tmp_path / "missing")
+
+
+def test_packing_groups_documents_up_to_the_step_size():
+    assert pack([3, 4, 2, 9, 1, 1], 8) == [[0, 1], [2], [3], [4, 5]]  # 9 > 8 goes alone
+    assert pack([], 8) == []
+
+
+@pytest.mark.parametrize("rollout", [1, 2])
+def test_packed_documents_see_only_themselves(tiny_llama, rollout):
+    """A pass over packed documents gives each one's loss and hits as if it ran alone."""
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (7, 12, 5)]
+    features = collect_features(model, docs, (model.config.num_layers,))
+    hidden = features.hidden[model.config.num_layers].float()
+    lm_weight = lm_weight_of(tiny_llama)
+    index = torch.arange(lm_weight.shape[0])
+    head = random_head(model)
+    positions = [(features.doc_ids == d).nonzero()[:, 0] for d in range(len(docs))]
+    args = (head, model.embed, features, hidden)
+    together = packed_loss(*args, positions, lm_weight, index, rollout)
+    alone = [packed_loss(*args, [p], lm_weight, index, rollout) for p in positions]
+    count = sum(a[2] for a in alone)
+    assert together[2] == count == sum(len(d) - 1 for d in docs)
+    assert together[1] == sum(a[1] for a in alone)
+    assert float(together[0]) == pytest.approx(sum(float(a[0]) * a[2] for a in alone) / count, rel=1e-5)
 
 
 def test_tree_shape_choice_follows_acceptance_and_cost():

@@ -8,9 +8,10 @@ the target's own next-token prediction from it through the frozen LM head
 loss 0.1; with the little data trained on here the token loss is what counts: on 60k
 tokens of Qwen2.5-1.5B's features, 2 epochs, held-out top-1 rose from 0.31 (weight 0.1,
 lr 3e-4) to 0.38 (weight 1, lr 1e-3); soft labels (the target's whole distribution)
-gave 0.37. One document per step, causal attention inside it. Every 20th document is held
-out; its loss is reported before and after, with the top-1 accuracy of the token read
-from the predicted feature. Resumable from a checkpoint in the work folder.
+gave 0.37. Documents are packed into steps of about 1,024 positions, each attending to
+itself only, with the head's products in bf16. Every 20th document is held out; its loss
+is reported before and after, with the top-1 accuracy of the token read from the
+predicted feature. Resumable from a checkpoint in the work folder.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +44,10 @@ class EagleTrainConfig:
     seed: int = 0
     intermediate_size: int | None = None  # None: the target's
     checkpoint_every: int = 50
-    rollout: int = 2  # steps on its own predicted features (doc_loss)
+    rollout: int = 2  # steps on its own predicted features (packed_loss)
     token_weight: float = TOKEN_LOSS_WEIGHT
+    tokens_per_step: int = 1024  # documents packed per step
+    bf16: bool = True  # products in bf16: 2.2x faster than fp32 at 1024 positions on Qwen2.5-1.5B's head
 
 
 def documents(features: Features, indices: torch.Tensor) -> list[torch.Tensor]:
@@ -52,27 +56,51 @@ def documents(features: Features, indices: torch.Tensor) -> list[torch.Tensor]:
     return [(features.doc_ids == d).nonzero()[:, 0] for d in sorted(chosen)]
 
 
-def doc_loss(head, embed, features: Features, hidden, positions, vocab_weight, vocab_index, rollout: int = 1,
-             token_weight: float = TOKEN_LOSS_WEIGHT):
-    """(loss, top-1 hits, count) of one document.
+def pack(lengths: Sequence[int], tokens_per_step: int) -> list[list[int]]:
+    """Consecutive documents grouped so that each group has at most tokens_per_step
+    positions (a longer document goes alone): one group is one training step."""
+    groups, size = [], tokens_per_step
+    for i, n in enumerate(lengths):
+        if size + n > tokens_per_step:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
 
+
+def packed_loss(head, embed, features: Features, hidden, docs: Sequence[torch.Tensor], vocab_weight, vocab_index,
+                rollout: int = 1, token_weight: float = TOKEN_LOSS_WEIGHT, bf16: bool = False):
+    """(loss, top-1 hits, count) of documents packed into one head pass.
+
+    Each document attends causally to itself only (a block-diagonal mask, positions from
+    0 in each), so the loss is each document's alone, weighted by its length: one pass over
+    many short documents keeps the products large, which is what this CPU is fast at.
     Step 1 reads the target's true features. Each further rollout step feeds the head its
-    own predictions from the step before in their place (pair j gets f̂_j), so that it
-    learns to draft deeper than one token from features it predicted itself; the loss is
-    the mean over steps, the hits are step 1's."""
-    j, nxt = positions[:-1], positions[1:]
+    own predictions from the step before in their place (pair j gets f̂_j; a document's
+    first pair keeps the true feature), so that it learns to draft deeper than one token
+    from features it predicted itself; the loss is the mean over steps, the hits are
+    step 1's. bf16: the head's products in bf16 (autocast), its weights and the losses fp32."""
+    j = torch.cat([d[:-1] for d in docs])
+    nxt = torch.cat([d[1:] for d in docs])
+    doc = torch.cat([torch.full((len(d) - 1,), i) for i, d in enumerate(docs)])
+    positions = torch.cat([torch.arange(len(d) - 1) for d in docs])
+    mask = (doc[:, None] == doc[None]) & (positions[:, None] >= positions[None])
+    first = (positions == 0)[:, None]
     embeds = embed[features.tokens[nxt]].float()
     target = hidden[nxt].float()
     labels = vocab_index[features.labels[nxt]]
-    inputs = hidden[j].float()
+    true_inputs = inputs = hidden[j].float()
     total, hits = 0.0, 0
     for step in range(rollout):
-        predicted = head(inputs, embeds, torch.arange(len(j)))
-        logits = (predicted.to(vocab_weight.dtype) @ vocab_weight.T).float()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            predicted = head(inputs, embeds, positions, None, mask)
+            logits = (predicted.to(vocab_weight.dtype) @ vocab_weight.T).float()
+        predicted = predicted.float()
         total = total + F.smooth_l1_loss(predicted, target) + token_weight * F.cross_entropy(logits, labels)
         if step == 0:
             hits = int((logits.argmax(-1) == labels).sum())
-        inputs = torch.cat([hidden[j[:1]].float(), predicted[:-1]])
+        inputs = torch.where(first, true_inputs, predicted.roll(1, dims=0))
     return total / rollout, hits, len(j)
 
 
@@ -88,17 +116,24 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
 
     head = eagle.new_head(target.config, name, sha256, config.intermediate_size, config.seed)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
-    total = max(1, int(config.epochs * len(train_docs)))
-    order = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    shuffled = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(config.seed)).tolist()
+    train_docs = [train_docs[i] for i in shuffled]
+    batches = [[train_docs[i] for i in group]
+               for group in pack([len(d) for d in train_docs], config.tokens_per_step)]
+    held_batches = [[held_docs[i] for i in group] for group in pack([len(d) for d in held_docs], config.tokens_per_step)]
+    total = max(1, int(config.epochs * len(batches)))
     checkpoint = Checkpoint(work / "eagle-checkpoint.pt", head, optimizer, config, len(features))
     step, record = checkpoint.resume()
     if step:
         log(f"resuming from step {step} of {total}")
 
+    def loss_of(docs):
+        return packed_loss(head, embed, features, hidden, docs, vocab_weight, vocab_index, config.rollout,
+                           config.token_weight, config.bf16)
+
     def evaluate():
         with torch.no_grad():
-            totals = [doc_loss(head, embed, features, hidden, d, vocab_weight, vocab_index, config.rollout,
-                               config.token_weight) for d in held_docs]
+            totals = [loss_of(docs) for docs in held_batches]
         count = sum(t[2] for t in totals)
         return (round(sum(float(t[0]) * t[2] for t in totals) / max(1, count), 4),
                 round(sum(t[1] for t in totals) / max(1, count), 4))
@@ -107,10 +142,10 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
         record["held_out_loss_before"], record["held_out_top1_before"] = evaluate()
     started = time.perf_counter()
 
-    def loss_at(step: int) -> torch.Tensor:  # one document per step
-        doc = train_docs[order[step % len(train_docs)]]
-        return doc_loss(head, embed, features, hidden, doc, vocab_weight, vocab_index, config.rollout,
-                        config.token_weight)[0]
+    def loss_at(step: int) -> torch.Tensor:  # a packed batch of documents per step; each epoch its own order
+        epoch, index = divmod(step, len(batches))
+        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(config.seed + epoch))
+        return loss_of(batches[int(order[index])])[0]
 
     run_steps(loss_at, head, optimizer, checkpoint, step, total, config.lr, record, config.checkpoint_every,
               "train eagle")
