@@ -1,7 +1,5 @@
 """Golden cases for plan_paths: which root-to-leaf paths a tree pass attends along."""
 
-import torch
-
 from specdecode.models.path_attention import plan_paths
 from specdecode.trees import build_tree, chain_tree, tree_attention
 
