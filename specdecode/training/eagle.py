@@ -16,6 +16,7 @@ predicted feature. Resumable from a checkpoint in the work folder.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,10 +143,13 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
         record["held_out_loss_before"], record["held_out_top1_before"] = evaluate()
     started = time.perf_counter()
 
-    def loss_at(step: int) -> torch.Tensor:  # a packed batch of documents per step; each epoch its own order
+    @functools.lru_cache(maxsize=1)
+    def epoch_order(epoch: int) -> list[int]:  # each epoch its own order, the same on a resume
+        return torch.randperm(len(batches), generator=torch.Generator().manual_seed(config.seed + epoch)).tolist()
+
+    def loss_at(step: int) -> torch.Tensor:  # a packed batch of documents per step
         epoch, index = divmod(step, len(batches))
-        order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(config.seed + epoch))
-        return loss_of(batches[int(order[index])])[0]
+        return loss_of(batches[epoch_order(epoch)[index]])[0]
 
     run_steps(loss_at, head, optimizer, checkpoint, step, total, config.lr, record, config.checkpoint_every,
               "train eagle")
