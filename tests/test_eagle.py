@@ -12,7 +12,8 @@ from specdecode.events import collect
 from specdecode.models.native import NativeModel
 from specdecode.sampling import SamplingConfig, logits_to_probs
 from specdecode.stopping import StopCondition
-from specdecode.training.eagle import EagleTrainConfig, choose_shape, measure_shape, pack, packed_loss, train
+from specdecode.training.eagle import (EagleTrainConfig, choose_shape, documents, measure_shape, pack, packed_loss,
+                                       train)
 from specdecode.training.features import collect as collect_features
 
 from .conftest import save_tiny
@@ -138,7 +139,7 @@ def test_packed_documents_see_only_themselves(tiny_llama, rollout):
     lm_weight = lm_weight_of(tiny_llama)
     index = torch.arange(lm_weight.shape[0])
     head = random_head(model)
-    positions = [(features.doc_ids == d).nonzero()[:, 0] for d in range(len(docs))]
+    positions = documents(features, torch.arange(len(features)))
     args = (head, model.embed, features, hidden)
     together = packed_loss(*args, positions, lm_weight, index, rollout)
     alone = [packed_loss(*args, [p], lm_weight, index, rollout) for p in positions]
