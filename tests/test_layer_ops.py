@@ -29,6 +29,19 @@ def test_residual_add_rope_and_silu_are_bitwise_the_torch_ops():
     assert torch.equal(fused_sum, torch_sum)
     gate_up = randn(4, 2, 2 * 80, scale=4, seed=3)
     assert torch.equal(FusedOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up))
+    row = FusedOps.silu_mul(gate_up[:1, :1])
+    assert torch.equal(row, FusedOps.silu_mul(gate_up)[:1, :1])  # a row does not depend on the others
+
+
+def test_silu_is_the_torch_op_wherever_its_exp_is_not_clamped():
+    # the kernel's exp stops at exp(-87): below it silu(g) is about 1e-36 instead of 0 or
+    # a subnormal, which nothing downstream can tell apart
+    gate_up = randn(64, 2 * 1000, scale=30, seed=8)  # 0.4% of the gates below -87
+    fused, reference = FusedOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up)
+    unclamped = gate_up[..., :1000] > -87
+    assert (~unclamped).any()
+    assert torch.equal(fused[unclamped], reference[unclamped])
+    assert fused[~unclamped].abs().max() < 1e-30
     heads, kv_heads, hd, T = 6, 2, 32, 5
     qkv = randn(1, T, (heads + 2 * kv_heads) * hd, seed=4)
     angles = torch.rand(T, hd, generator=torch.Generator().manual_seed(5)) * 6

@@ -28,6 +28,7 @@ from .store import home
 KERNEL_ENV = "SPECDECODE_KERNEL"
 CHOICES = ("auto", "amx", "onednn")
 SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "cpu_ops.cpp", "attention.cpp")]
+HEADERS = [Path(__file__).with_name("simd_math.h")]  # part of the build's key, not compiled alone
 GROUP, STEP = 64, 32  # outputs per packed group, K per tile step (see amx_linear.cpp)
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a dead process
 
@@ -71,7 +72,7 @@ def _build():
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()).hexdigest()[:12]
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode()).hexdigest()[:12]
     build_dir = home() / "kernels" / f"amx-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = build_dir / "lock"  # torch's build lock; a build killed midway leaves it behind forever
@@ -83,7 +84,7 @@ def _build():
         name="specdecode_amx",
         sources=[str(p) for p in SOURCES],
         build_directory=str(build_dir),
-        extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
+        extra_cflags=["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
         extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has already loaded
         verbose=False,
     )

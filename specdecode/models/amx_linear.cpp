@@ -18,6 +18,8 @@
 #include <unistd.h>
 #include <vector>
 
+#include "simd_math.h"
+
 namespace {
 
 constexpr int64_t G = 4;      // 16-output blocks per group: one weight stream feeds 4 C tiles
@@ -101,24 +103,28 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
         group_tile(wg, k1 - k0, xp + m0 * Kp + k0 * TK, Kp, c);
         const int64_t n0 = g * G * 16, n1 = std::min(N, n0 + G * 16);
         for (int r = 0; r < rows; ++r)
-          for (int64_t n = n0; n < n1; ++n) {
-            const float v = c[r * G * 16 + (n - n0)];
+          for (int64_t n = n0; n < n1; n += 16) {
+            const __mmask16 live = n1 - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n1 - n)) - 1);
+            const __m512 v = _mm512_loadu_ps(c + r * G * 16 + (n - n0));
             if (parts > 1) {
-              partial[(part * M + m0 + r) * N + n] = v;
+              _mm512_mask_storeu_ps(partial.data() + (part * M + m0 + r) * N + n, live, v);
             } else {
-              yp[(m0 + r) * N + n] = c10::BFloat16(b ? v + (float)b[n] : v);
+              simd::store_bf16(yp + (m0 + r) * N + n, b ? _mm512_add_ps(v, simd::load_bf16(b + n, live)) : v, live);
             }
           }
       }
     }
     if (configured >= 0) _tile_release();
   });
-  if (parts > 1)
-    for (int64_t i = 0; i < M * N; ++i) {
-      float v = partial[i];
-      for (int64_t part = 1; part < parts; ++part) v += partial[part * M * N + i];
-      yp[i] = c10::BFloat16(b ? v + (float)b[i % N] : v);
-    }
+  if (parts > 1)  // the halves summed in order, as the scalar sum v0 + v1 (+ bias) rounds
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; n += 16) {
+        const __mmask16 live = N - n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (N - n)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(live, partial.data() + m * N + n);
+        for (int64_t part = 1; part < parts; ++part)
+          v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, partial.data() + (part * M + m) * N + n));
+        simd::store_bf16(yp + m * N + n, b ? _mm512_add_ps(v, simd::load_bf16(b + n, live)) : v, live);
+      }
   return y;
 }
 

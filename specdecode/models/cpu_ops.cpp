@@ -10,19 +10,31 @@
 #include <c10/util/BFloat16.h>
 #include <cmath>
 
+#include "simd_math.h"
+
 using bf16 = c10::BFloat16;
 
 namespace {
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
 
-// y = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H
+inline __mmask16 live_lanes(int64_t left) {
+  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// y = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H; the squares summed in 16 lanes
 inline void rms_row(const bf16* x, const bf16* w, bf16* y, int64_t H, float eps) {
-  float sum = 0.f;
-  for (int64_t j = 0; j < H; ++j) { const float v = static_cast<float>(x[j]); sum += v * v; }
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
-  for (int64_t j = 0; j < H; ++j)
-    y[j] = bf16(static_cast<float>(w[j]) * round_bf16(static_cast<float>(x[j]) * inv));
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t j = 0; j < H; j += 16) {
+    const __m512 v = simd::load_bf16(x + j, live_lanes(H - j));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const float inv = 1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(H) + eps);
+  for (int64_t j = 0; j < H; j += 16) {
+    const __mmask16 live = live_lanes(H - j);
+    const __m512 normed = simd::round_bf16(_mm512_mul_ps(simd::load_bf16(x + j, live), _mm512_set1_ps(inv)));
+    simd::store_bf16(y + j, _mm512_mul_ps(simd::load_bf16(w + j, live), normed), live);
+  }
 }
 
 void check_bf16(const torch::Tensor& t, const char* name) {
@@ -49,7 +61,10 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
   auto y = torch::empty_like(x);
   const bf16 *xp = x.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>();
   bf16 *sp = sum.data_ptr<bf16>(), *yp = y.data_ptr<bf16>();
-  for (int64_t i = 0; i < rows * H; ++i) sp[i] = bf16(static_cast<float>(xp[i]) + static_cast<float>(dp[i]));
+  for (int64_t i = 0; i < rows * H; i += 16) {
+    const __mmask16 live = live_lanes(rows * H - i);
+    simd::store_bf16(sp + i, _mm512_add_ps(simd::load_bf16(xp + i, live), simd::load_bf16(dp + i, live)), live);
+  }
   for (int64_t r = 0; r < rows; ++r) rms_row(sp + r * H, weight.data_ptr<bf16>(), yp + r * H, H, (float)eps);
   return {sum, y};
 }
@@ -81,7 +96,9 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   return out;
 }
 
-// silu(gate) * up for a fused gate_up product (..., 2 I) -> (..., I)
+// silu(gate) * up for a fused gate_up product (..., 2 I) -> (..., I), 16 values a step:
+// silu(g) = g / (1 + exp(-g)), from e = exp(-|g|) <= 1 so that nothing overflows
+// (g < 0: g e / (1 + e)); rounded to bf16 before the product, as torch rounds it.
 torch::Tensor silu_mul(torch::Tensor gate_up) {
   check_bf16(gate_up, "gate_up");
   const int64_t I = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * I);
@@ -90,11 +107,17 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto y = torch::empty(sizes, gate_up.options());
   const bf16* g = gate_up.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
+  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < I; ++j) {
-      const float gate = static_cast<float>(g[r * 2 * I + j]);
-      const float silu = round_bf16(gate / (1.f + std::exp(-gate)));
-      yp[r * I + j] = bf16(silu * static_cast<float>(g[r * 2 * I + I + j]));
+    for (int64_t j = 0; j < I; j += 16) {
+      const __mmask16 live = live_lanes(I - j);
+      const __m512 gate = simd::load_bf16(g + r * 2 * I + j, live);
+      const __m512 up = simd::load_bf16(g + r * 2 * I + I + j, live);
+      const __m512 e = simd::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gate)));
+      const __mmask16 negative = _mm512_cmp_ps_mask(gate, _mm512_setzero_ps(), _CMP_LT_OQ);
+      const __m512 numerator = _mm512_mask_mul_ps(gate, negative, gate, e);
+      const __m512 silu = simd::round_bf16(_mm512_div_ps(numerator, _mm512_add_ps(one, e)));
+      simd::store_bf16(yp + r * I + j, _mm512_mul_ps(silu, up), live);
     }
   return y;
 }
