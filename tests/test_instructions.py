@@ -4,7 +4,7 @@ of the text the bench's suites ask about (the suites stay held out)."""
 import pytest
 
 from specdecode.suites import SUITES, load_suite
-from specdecode.training.instructions import instruction_prompts
+from specdecode.training.instructions import instruction_prompts, instructions
 
 MARKERS = {  # a phrase each kind's prompts start with
     "code": "Complete the following Python function.",
@@ -31,6 +31,20 @@ def test_many_prompts_every_kind_early_fixed_order(prompts):
     chat = [p for p in first if not any(m in p for m in MARKERS.values())]
     assert chat, "chat questions"
     assert sum(MARKERS["code"] in p for p in prompts[:90]) >= 25  # code three times as often as each other kind
+
+
+def test_prompts_name_their_source():
+    pairs = instructions()
+    assert [text for text, _ in pairs] == instruction_prompts()
+    kinds = {source.split("/")[0] for _, source in pairs}
+    assert kinds == {"stdlib", "humaneval", "chat", "math"}
+    # a function's completion, edit and explanation share its module's source
+    by_source = {}
+    for text, source in pairs:
+        by_source.setdefault(source, []).append(text)
+    stdlib = [texts for source, texts in by_source.items() if source.startswith("stdlib/")]
+    assert any(any(MARKERS["code"] in t for t in texts) and any(MARKERS["edit"] in t for t in texts)
+               for texts in stdlib)
 
 
 def test_no_suite_text_in_training(prompts):

@@ -11,7 +11,7 @@ from specdecode.events import collect
 from specdecode.models.native import NativeModel
 from specdecode.stopping import StopCondition
 from specdecode.training.features import Features, collect as collect_features
-from specdecode.training.medusa import TrainConfig, head_labels, train
+from specdecode.training.medusa import TrainConfig, head_labels, split, train
 from specdecode.tree_shapes import choose_tree, expected_tokens_of_tree, grow_tree, num_leaves
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
@@ -85,6 +85,22 @@ def test_head_labels_stay_inside_a_document():
     assert labels[:, 0].tolist()[:5] == [11, 12, 13, 14, 15] and labels[:, 1].tolist()[:4] == [12, 13, 14, 15]
     assert valid[:, 0].tolist() == [True, True, False, True, True, False]
     assert valid[:, 1].tolist() == [True, False, False, True, False, False]
+
+
+def test_held_out_split_keeps_each_source_on_one_side():
+    # 200 documents of 3 positions from 40 sources, 5 documents each
+    doc_ids = torch.arange(200).repeat_interleave(3)
+    sources = [f"stdlib/module{d % 40}" for d in range(200)]
+    f = Features(torch.zeros(600, dtype=torch.long), torch.zeros(600, dtype=torch.long), doc_ids, {}, sources=sources)
+    train_idx, held_idx = split(f)
+    assert len(held_idx) and len(train_idx) and len(held_idx) + len(train_idx) == 600
+    held_sources = {sources[d] for d in doc_ids[held_idx].tolist()}
+    train_sources = {sources[d] for d in doc_ids[train_idx].tolist()}
+    assert not held_sources & train_sources
+    # whole documents either side; by document (every 20th) where sources are unknown
+    f.sources = None
+    train_idx, held_idx = split(f)
+    assert set(doc_ids[held_idx].tolist()) == set(range(19, 200, 20))
 
 
 def test_training_reduces_held_out_loss_and_resumes(tiny_llama, tmp_path):

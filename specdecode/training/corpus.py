@@ -27,14 +27,19 @@ def stdlib_files() -> list[Path]:
 
 def stdlib_documents(tokenizer, max_tokens: int, chunk: int) -> list[list[int]]:
     """Token chunks of standard-library source, max_tokens in all."""
-    documents, total = [], 0
+    return [ids for ids, _ in stdlib_chunks(tokenizer, max_tokens, chunk)]
+
+
+def stdlib_chunks(tokenizer, max_tokens: int, chunk: int) -> list[tuple[list[int], str]]:
+    """(token chunk, its source `stdlib/MODULE`) of standard-library source, max_tokens in all."""
+    chunks, total = [], 0
     for path in stdlib_files():
         ids = tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)
         for start in range(0, len(ids), chunk):
             piece = ids[start:start + chunk][: max_tokens - total]
             if len(piece) > 8:
-                documents.append(piece)
+                chunks.append((piece, f"stdlib/{path.stem}"))
                 total += len(piece)
             if total >= max_tokens:
-                return documents
-    return documents
+                return chunks
+    return chunks

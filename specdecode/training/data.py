@@ -7,9 +7,9 @@ import json
 from itertools import islice
 from pathlib import Path
 
-from .corpus import stdlib_documents
+from .corpus import stdlib_chunks
 from .features import Features, collect, concat
-from .instructions import instruction_prompts
+from .instructions import instructions
 
 CHUNK = 512  # tokens per teacher-forced pass
 CORPUS_VERSION = 2  # bump when the training text changes, so cached features are not reused
@@ -29,8 +29,9 @@ def answer_features(target, num_answers: int, answer_tokens: int, work: Path, ba
     from ..prompts import encode_prompt
     from .batch_greedy import answer_features as batch_features
 
-    encoded = (encode_prompt(target.tokenizer, text) for text in instruction_prompts())
-    prompts = list(islice((ids for ids in encoded if len(ids) <= MAX_PROMPT_TOKENS), num_answers))
+    encoded = ((encode_prompt(target.tokenizer, text), source) for text, source in instructions())
+    pairs = list(islice(((ids, source) for ids, source in encoded if len(ids) <= MAX_PROMPT_TOKENS), num_answers))
+    prompts, sources = [ids for ids, _ in pairs], [source for _, source in pairs]
     if len(prompts) < num_answers:
         log(f"only {len(prompts)} training instructions fit; answering those")
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -50,7 +51,9 @@ def answer_features(target, num_answers: int, answer_tokens: int, work: Path, ba
                 part.save(path)
             parts.append(part)
             bar.update(len(batch))
-    return concat(parts)
+    answers = concat(parts)
+    answers.sources = [sources[i] for i in order]  # documents are numbered in answering order
+    return answers
 
 
 def _key(*settings) -> str:
@@ -68,13 +71,18 @@ def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answ
     work.mkdir(parents=True, exist_ok=True)
     parts = [answer_features(target, num_answers, answer_tokens, work, log=log)] if num_answers else []
     path = work / f"stdlib-{_key(target, layers, num_tokens, CHUNK)}.safetensors"
-    if path.is_file():
-        log(f"reusing the target's features of standard-library source from {path}")
-        parts.append(Features.load(path))
-    elif documents := stdlib_documents(target.tokenizer, num_tokens, CHUNK):
-        with tqdm(total=sum(map(len, documents)), desc="target features", unit="tok") as bar:
-            parts.append(collect(target.model, documents, layers, progress=bar.update))
-        parts[-1].save(path)
+    chunks = stdlib_chunks(target.tokenizer, num_tokens, CHUNK) if num_tokens else []
+    if chunks:
+        if path.is_file():
+            log(f"reusing the target's features of standard-library source from {path}")
+            stdlib = Features.load(path)
+        else:
+            documents = [ids for ids, _ in chunks]
+            with tqdm(total=sum(map(len, documents)), desc="target features", unit="tok") as bar:
+                stdlib = collect(target.model, documents, layers, progress=bar.update)
+            stdlib.save(path)
+        stdlib.sources = [source for _, source in chunks]
+        parts.append(stdlib)
     return concat(parts)
 
 

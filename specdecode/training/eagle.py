@@ -123,7 +123,7 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
                for group in pack([len(d) for d in train_docs], config.tokens_per_step)]
     held_batches = [[held_docs[i] for i in group] for group in pack([len(d) for d in held_docs], config.tokens_per_step)]
     total = max(1, int(config.epochs * len(batches)))
-    checkpoint = Checkpoint(work / "eagle-checkpoint.pt", head, optimizer, config, len(features))
+    checkpoint = Checkpoint(work / "eagle-checkpoint.pt", head, optimizer, config, (len(features), len(held_idx)))
     step, record = checkpoint.resume()
     if step:
         log(f"resuming from step {step} of {total}")

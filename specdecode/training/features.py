@@ -27,6 +27,9 @@ class Features:
     # (T,) bool: positions inside the target's own answer (from its prompt's last token on),
     # where decoding drafts; tree shapes are chosen by accuracy there. None: none are.
     drafted: torch.Tensor | None = None
+    # What each document was made from, by doc id (instructions.py), for a held-out split
+    # by source. Derived from the prompts again at each load, so not saved. None: unknown.
+    sources: list[str] | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -83,5 +86,7 @@ def concat(parts: list[Features]) -> Features:
     if any(p.drafted is not None for p in parts):
         drafted = torch.cat([p.drafted if p.drafted is not None else torch.zeros(len(p), dtype=torch.bool)
                              for p in parts])
+    # sources follow the doc ids when each part numbers its documents from 0
+    sources = sum((p.sources for p in parts), []) if all(p.sources is not None for p in parts) else None
     return Features(torch.cat([p.tokens for p in parts]), torch.cat([p.labels for p in parts]), torch.cat(doc_ids),
-                    {layer: torch.cat([p.hidden[layer] for p in parts]) for layer in layers}, drafted)
+                    {layer: torch.cat([p.hidden[layer] for p in parts]) for layer in layers}, drafted, sources)

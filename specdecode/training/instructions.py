@@ -121,38 +121,49 @@ def _interleave(kinds: list[list[str]]) -> list[str]:
     return [kind[i] for i in range(max(map(len, kinds))) for kind in kinds if i < len(kind)]
 
 
-def instruction_prompts(seed: int = 0) -> list[str]:
-    """Every training instruction, in a fixed order that mixes the kinds."""
+def instructions(seed: int = 0) -> list[tuple[str, str]]:
+    """Every training instruction with its source, in a fixed order that mixes the kinds.
+
+    The source names what a prompt is made from: the standard-library module of its
+    function or docstring (`stdlib/NAME`, as the teacher-forced source of that module is
+    named), the HumanEval problem, the chat topic, the maths problem. Prompts of one
+    source share text, so a held-out split by source (training/medusa.py) keeps a module's
+    functions, edited, explained or completed, on one side only."""
     rng = random.Random(seed)
     modules = _modules()
     functions = _functions(modules)
     rng.shuffle(functions)
-    humaneval = [HUMANEVAL_TEMPLATE.format(prompt=p["prompt"])
+    humaneval = [(HUMANEVAL_TEMPLATE.format(prompt=p["prompt"]), f"humaneval/{i}")
                  for i, p in enumerate(_humaneval_problems()) if i % HUMANEVAL_STRIDE]
-    stubs = [HUMANEVAL_TEMPLATE.format(prompt=_stub(node, lines)) for _, node, lines in functions]
+    stubs = [(HUMANEVAL_TEMPLATE.format(prompt=_stub(node, lines)), f"stdlib/{name}") for name, node, lines in functions]
     code = _interleave([humaneval, stubs])
-    edits = [CODE_EDIT_TEMPLATE.format(instruction=EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)],
-                                       source=_source(node, lines))
-             for i, (_, node, lines) in enumerate(functions)]
-    explain = [(EXPLAIN if i % 2 else TESTS).format(source=_source(node, lines))
-               for i, (_, node, lines) in enumerate(reversed(functions))]
+    edits = [(CODE_EDIT_TEMPLATE.format(instruction=EDIT_INSTRUCTIONS[i % len(EDIT_INSTRUCTIONS)],
+                                        source=_source(node, lines)), f"stdlib/{name}")
+             for i, (name, node, lines) in enumerate(functions)]
+    explain = [((EXPLAIN if i % 2 else TESTS).format(source=_source(node, lines)), f"stdlib/{name}")
+               for i, (name, node, lines) in enumerate(reversed(functions))]
 
     summaries, sentences = [], []
     for name, tree, _ in modules:
         doc = ast.get_docstring(tree)
         if doc and len(doc.split()) >= 60:
-            summaries.append(SUMMARY_TEMPLATE.format(module=name, text=truncate_words(doc)))
-    for _, node, _ in functions:
-        sentences += _sentences(ast.get_docstring(node))[:1]
-    translations = [TRANSLATION_TEMPLATE.format(source="English", target=LANGUAGES[i % len(LANGUAGES)], text=s)
-                    for i, s in enumerate(sentences)]
+            summaries.append((SUMMARY_TEMPLATE.format(module=name, text=truncate_words(doc)), f"stdlib/{name}"))
+    for name, node, _ in functions:
+        sentences += [(s, f"stdlib/{name}") for s in _sentences(ast.get_docstring(node))[:1]]
+    translations = [(TRANSLATION_TEMPLATE.format(source="English", target=LANGUAGES[i % len(LANGUAGES)], text=s), src)
+                    for i, (s, src) in enumerate(sentences)]
 
     from pydoc_data.topics import topics
-    chat = [template.format(topic=topic.replace("-", " "))
+    chat = [(template.format(topic=topic.replace("-", " ")), f"chat/{topic}")
             for topic in topics for template in CHAT_TEMPLATES]
-    chat += [q.format(subject=s) for s in CHAT_SUBJECTS for q in CHAT_QUESTIONS]
-    maths = [MATH_TEMPLATE.format(problem=_math_problem(rng)) for _ in range(len(code) // CODE_WEIGHT)]
+    chat += [(q.format(subject=s), f"chat/{s}") for s in CHAT_SUBJECTS for q in CHAT_QUESTIONS]
+    maths = [(MATH_TEMPLATE.format(problem=_math_problem(rng)), f"math/{i}") for i in range(len(code) // CODE_WEIGHT)]
     for kind in (edits, explain, summaries, translations, chat):
         rng.shuffle(kind)
     return _interleave([code[i::CODE_WEIGHT] for i in range(CODE_WEIGHT)]
                        + [edits, explain, chat, maths, translations, summaries])
+
+
+def instruction_prompts(seed: int = 0) -> list[str]:
+    """Every training instruction's text, in instructions()' order."""
+    return [text for text, _ in instructions(seed)]

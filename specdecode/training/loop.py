@@ -14,9 +14,10 @@ class Checkpoint:
     """The module, optimizer, step and record, saved by rename; resumed only when the
     settings and the data are those it was saved with."""
 
-    def __init__(self, path: Path, module: torch.nn.Module, optimizer, config, num_tokens: int):
+    def __init__(self, path: Path, module: torch.nn.Module, optimizer, config, data):
+        """data: what identifies the training set (its positions, the held-out ones)."""
         self.path, self.module, self.optimizer = path, module, optimizer
-        self.key = {"config": dict(config.__dict__), "tokens": num_tokens}
+        self.key = {"config": dict(config.__dict__), "tokens": data}
 
     def resume(self) -> tuple[int, dict]:
         """(step, record) to continue from; (0, {}) when there is nothing to resume."""
