@@ -90,7 +90,7 @@ void attend_group(const bf16* q, int64_t stride, int64_t group, const bf16* keys
     // p_i = exp(s_i - top) in place; their sum in 16 lanes over the dense list, then the lanes
     __m512 lanes = _mm512_setzero_ps();
     for (int64_t i = 0; i < m; i += 16) {
-      const __mmask16 live = m - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (m - i)) - 1);
+      const __mmask16 live = simd::live_lanes(m - i);
       const __m512 s = _mm512_maskz_loadu_ps(live, scores + i);
       const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
       _mm512_mask_storeu_ps(scores + i, live, p);

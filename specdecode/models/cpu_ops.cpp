@@ -18,9 +18,7 @@ namespace {
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
 
-inline __mmask16 live_lanes(int64_t left) {
-  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-}
+using simd::live_lanes;
 
 // y = w * bf16(x * rsqrt(mean(x^2) + eps)), one row of H; the squares summed in 16 lanes
 inline void rms_row(const bf16* x, const bf16* w, bf16* y, int64_t H, float eps) {

@@ -1,10 +1,17 @@
 // Vector helpers shared by the kernels: bf16 loads and stores, and exp, in AVX-512.
 // Elementwise, so a value's result never depends on its neighbours or the row count.
 #pragma once
+#include <cstdint>
+
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 namespace simd {
+
+// The lanes of a 16-wide step that `left` values still fill
+inline __mmask16 live_lanes(int64_t left) {
+  return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+}
 
 // 16 bf16 -> 16 fp32, exact
 inline __m512 load_bf16(const c10::BFloat16* p) {
