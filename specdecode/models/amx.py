@@ -1,6 +1,6 @@
 """The AMX bf16 linear kernel (amx_linear.cpp), the fused small ops of a bf16 layer
-(cpu_ops.cpp) and its attention over the cache (attention.cpp): one extension, built once
-per machine, loaded on demand.
+(cpu_ops.cpp), its attention over the cache (attention.cpp) and the whole layer in one
+call (decoder_layer.cpp): one extension, built once per machine, loaded on demand.
 
 `kernel()` returns the compiled module, or None where it cannot run (no AMX, no compiler)
 so that `Linear` falls back to oneDNN. The build (about a minute) goes to
@@ -27,7 +27,8 @@ from .store import home
 
 KERNEL_ENV = "SPECDECODE_KERNEL"
 CHOICES = ("auto", "amx", "onednn")
-SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "cpu_ops.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "cpu_ops.cpp", "attention.cpp",
+                                                    "decoder_layer.cpp")]
 HEADERS = [Path(__file__).with_name("simd_math.h")]  # part of the build's key, not compiled alone
 GROUP, STEP = 64, 32  # outputs per packed group, K per tile step (see amx_linear.cpp)
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a dead process

@@ -136,6 +136,13 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 // attention.cpp
 torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values, int64_t start,
                               torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads);
+// decoder_layer.cpp
+std::vector<torch::Tensor> decoder_layer(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                                         torch::Tensor keys, torch::Tensor values, int64_t start,
+                                         torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
+                                         std::vector<torch::Tensor> weights,
+                                         std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
+                                         torch::Tensor mlp_norm, torch::Tensor next_norm, double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("request_amx", &request_amx);
@@ -145,4 +152,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv);
   m.def("silu_mul", &silu_mul);
   m.def("cache_attention", &cache_attention);
+  m.def("decoder_layer", &decoder_layer);
 }

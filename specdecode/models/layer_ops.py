@@ -63,6 +63,8 @@ _CAUSAL = torch.empty(0, dtype=torch.bool)  # attention.cpp's "no mask": causal 
 
 
 class FusedOps:
+    causal = _CAUSAL
+
     @staticmethod
     def rms_norm(x, weight, eps):
         return amx.kernel().rms_norm(x.contiguous(), weight, eps)

@@ -40,6 +40,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from . import amx
 from .config import ModelConfig
 from .kv_cache import BLOCK, KVCache
 from .layer_ops import FusedOps, TorchOps, layer_ops
@@ -62,6 +63,16 @@ class Layer:
     mlp_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+
+    @property
+    def matrices(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
+    @property
+    def packed(self) -> tuple[list, list, list]:
+        """(packed weights, biases, output widths) of the four matrices, as decoder_layer.cpp takes them."""
+        m = self.matrices
+        return [l.weight for l in m], [l.bias for l in m], [l.out_features for l in m]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -138,6 +149,11 @@ class NativeModel:
         # untied head lives packed, and training reads it from the weights file instead).
         self.lm_head_weight = self.embed if head is None else None
         self.ops = layer_ops(dtype)
+        # A whole layer in one call (decoder_layer.cpp) where every matrix is on the AMX
+        # kernel and needs no padding, as amx.linear would add. Off: the same kernels one by one.
+        self.layer_in_one_call = self.ops is FusedOps and all(
+            l.backend == "amx" and l.in_features % amx.STEP == 0 for layer in self.layers for l in layer.matrices)
+        self._packed = [layer.packed for layer in self.layers]  # the call's arguments, made once
         self._inv_freq = rope_inv_freq(c)
         self._cos = self._sin = torch.empty(0, c.head_dim)
 
@@ -176,7 +192,7 @@ class NativeModel:
     def row_invariant_rows(self) -> int | None:
         """The most tokens a pass may hold and still give each bitwise a one-token pass's
         logits (None: any number); linear.py."""
-        limits = [ROW_INVARIANT_ROWS[l.backend] for l in self.layers for l in (l.qkv, l.o, l.gate_up, l.down)]
+        limits = [ROW_INVARIANT_ROWS[l.backend] for layer in self.layers for l in layer.matrices]
         limits = [n for n in limits + [ROW_INVARIANT_ROWS[self.lm_head.backend]] if n is not None]
         return min(limits, default=None)
 
@@ -236,12 +252,21 @@ class NativeModel:
         if 0 in hidden_layers:
             hidden[0] = x
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        one_call = ops is FusedOps and self.layer_in_one_call
+        if one_call:  # decoder_layer.cpp: the fused path's kernels, in one call a layer
+            cos, sin = ((t if t.dim() == 3 else t[None]).contiguous() for t in (cos, sin))
+            allowed = FusedOps.causal if attention is None else attention
         for i, layer in enumerate(self.layers):
-            attended = (self._fused_attention(layer, h, cos, sin, cache, i, attention) if ops is FusedOps
-                        else self._attention(layer, h, cos, sin, cache, i, attention, group))
-            x, h = ops.add_rms_norm(x, attended, layer.mlp_norm, eps)
             next_norm = self.layers[i + 1].attn_norm if i + 1 < c.num_layers else self.norm
-            x, h = ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h))), next_norm, eps)
+            if one_call:
+                x, h = amx.kernel().decoder_layer(
+                    x, h, cos, sin, cache.keys[i], cache.values[i], cache.length, allowed, c.num_heads,
+                    c.num_kv_heads, *self._packed[i], layer.mlp_norm, next_norm, eps)
+            else:
+                attended = (self._fused_attention(layer, h, cos, sin, cache, i, attention) if ops is FusedOps
+                            else self._attention(layer, h, cos, sin, cache, i, attention, group))
+                x, h = ops.add_rms_norm(x, attended, layer.mlp_norm, eps)
+                x, h = ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h))), next_norm, eps)
             if i + 1 in hidden_layers and i + 1 < c.num_layers:
                 hidden[i + 1] = x
         cache.advance(T)

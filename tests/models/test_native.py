@@ -107,6 +107,30 @@ def test_bf16_verify_pass_equals_one_token_passes(tiny_llama):
         assert torch.equal(many, ones)
 
 
+@pytest.mark.parametrize("folder", ["tiny_llama", "tiny_qwen2"])  # qwen2: q/k/v biases
+def test_a_layer_in_one_call_is_bitwise_the_kernels_one_by_one(folder, request):
+    from specdecode.models import amx
+    from specdecode.trees import build_tree, tree_attention
+
+    if amx.kernel() is None:
+        pytest.skip("the extension is not built on this machine")
+    model = NativeModel.from_folder(request.getfixturevalue(folder), torch.bfloat16)
+    assert model.layer_in_one_call
+    results = {}
+    for one_call in (True, False):
+        model.layer_in_one_call = one_call
+        cache = model.new_cache()
+        model(torch.tensor(PROMPT), cache)
+        chain = model(torch.tensor([[4, 9, 33]]), cache, hidden_layers=(1, 2))
+        tree = build_tree([(0,), (1,), (0, 0), (1, 0)])
+        positions, mask = tree_attention(tree, cache.length)
+        branched = model(torch.tensor([[5, 6, 7, 8, 9]]), cache, positions=positions, mask=mask)
+        results[one_call] = [chain.logits, chain.hidden_states[1], chain.hidden_states[2], branched.logits,
+                             cache.keys[:, :, :, :cache.length], cache.values[:, :, :, :cache.length]]
+    for a, b in zip(results[True], results[False]):
+        assert torch.equal(a, b)
+
+
 def test_mask_shape_is_checked(tiny_llama):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     with pytest.raises(ValueError, match="mask"):

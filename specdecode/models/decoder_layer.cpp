@@ -1,0 +1,48 @@
+// A whole bf16 decoder layer of a decoding or verify pass in one call.
+//
+// native.py's fused path calls these very kernels one by one, nine calls a layer, each
+// through Python and torch's argument handling. On a small model that round trip is a
+// tenth of a step (SmolLM2-135M: 30 layers, a step of 12-15 ms, of which about 1.5 ms
+// is calls between kernels). Here the layer runs them in the same order on the same
+// tensors, so its result is bitwise the step-by-step one.
+#include <torch/extension.h>
+
+// amx_linear.cpp, cpu_ops.cpp, attention.cpp
+torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t N);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated, int64_t hd);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values, int64_t start,
+                              torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads);
+
+namespace {
+
+// y = x @ W.T (+ b) for x (B, T, K) through a packed weight: (B, T, N)
+torch::Tensor project(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                      int64_t N) {
+  const int64_t B = x.size(0), T = x.size(1);
+  return linear(x.reshape({B * T, x.size(2)}), packed, bias, N).view({B, T, N});
+}
+
+}  // namespace
+
+// x: the residual stream (B, T, H); h: its norm for this layer. cos, sin: (B or 1, T, hd);
+// keys, values: this layer's cache buffers (B, nkv, max_len, hd), written at slots start, ...;
+// allowed: (B or 1, T, start + T) bool, or empty for causal by slot. weights: the packed
+// qkv, o, gate_up and down matrices; biases: theirs (or None); out: their output widths.
+// Returns (x + attention + mlp, the norm `next_norm` of it): the next layer's x and h.
+std::vector<torch::Tensor> decoder_layer(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                                         torch::Tensor keys, torch::Tensor values, int64_t start,
+                                         torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
+                                         std::vector<torch::Tensor> weights,
+                                         std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
+                                         torch::Tensor mlp_norm, torch::Tensor next_norm, double eps) {
+  TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && out.size() == 4, "four matrices: qkv, o, gate_up, down");
+  const int64_t hd = keys.size(3);
+  auto qkv = project(h, weights[0], biases[0], out[0]);
+  auto roped = rope_qkv(qkv, cos, sin, num_heads + num_kv_heads, hd);
+  auto attended = cache_attention(roped, keys, values, start, allowed, num_heads, num_kv_heads);
+  auto mid = add_rms_norm(x, project(attended, weights[1], biases[1], out[1]), mlp_norm, eps);
+  auto act = silu_mul(project(mid[1], weights[2], biases[2], out[2]));
+  return add_rms_norm(mid[0], project(act, weights[3], biases[3], out[3]), next_norm, eps);
+}
