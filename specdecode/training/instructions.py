@@ -117,7 +117,7 @@ def _sentences(doc: str) -> list[str]:
     return [s for s in parts if 8 <= len(s.split()) <= 40 and not re.search(r"[>{}\[\]=_`|*]", s)]
 
 
-def _interleave(kinds: list[list[str]]) -> list[str]:
+def _interleave(kinds: list[list]) -> list:
     return [kind[i] for i in range(max(map(len, kinds))) for kind in kinds if i < len(kind)]
 
 
