@@ -79,3 +79,50 @@ def test_concat_renumbers_documents_and_keeps_drafted():
     assert both.drafted.tolist() == [False, True, True, False, False, False, False]
     assert both.drafted_among(torch.tensor([0, 1, 5])).tolist() == [1]
     assert source.drafted_among(torch.tensor([0, 3])).tolist() == [0, 3]  # nothing drafted: all of them
+
+
+def test_concat_keeps_each_document_with_its_source():
+    from specdecode.training.features import Features, concat
+
+    def part(doc_ids, sources):
+        n = len(doc_ids)
+        return Features(torch.arange(n), torch.arange(n), torch.tensor(doc_ids), {2: torch.zeros(n, 4)},
+                        sources=sources)
+
+    # a batch whose first prompt had an empty answer starts at its second document; a gap inside
+    batch = part([65, 65, 67], ["b", "c", "d"])  # sources of docs 65, 66 (empty), 67
+    source = part([0, 1, 1], ["stdlib/x", "stdlib/y"])
+    both = concat([part([0, 1], ["a0", "a1"]), batch, source])
+    assert [both.sources[d] for d in both.doc_ids.tolist()] == ["a0", "a1", "b", "b", "d", "stdlib/x", "stdlib/y",
+                                                                "stdlib/y"]
+    assert concat([batch, part([0], None)]).sources is None  # unknown for a part: unknown for the whole
+
+
+@pytest.mark.real
+def test_answers_are_saved_by_batch_and_reused_by_a_larger_run(smollm2_folder, tmp_path):
+    """Asking for more answers reads the batches a smaller run saved, whatever it asked;
+    each document keeps the source of its own prompt."""
+    from types import SimpleNamespace
+
+    from specdecode.models.load import load
+    from specdecode.prompts import encode_prompt
+    from specdecode.training.data import answer_features
+    from specdecode.training.instructions import instructions
+
+    model, tokenizer, info = load(str(smollm2_folder), torch.float32)
+    target = SimpleNamespace(model=model, tokenizer=tokenizer, info=info)
+    small = answer_features(target, 4, 3, tmp_path, batch_size=2, block=4, log=lambda _: None)
+    files = sorted((tmp_path).glob("answers-*/batch-*.safetensors"))
+    assert len(files) == 2
+    stamps = [f.stat().st_mtime_ns for f in files]
+    large = answer_features(target, 6, 3, tmp_path, batch_size=2, block=4, log=lambda _: None)
+    assert len(list(tmp_path.glob("answers-*/batch-*.safetensors"))) == 3  # one new batch
+    assert [f.stat().st_mtime_ns for f in files] == stamps  # the first two read, not rewritten
+    n = len(small)
+    assert torch.equal(large.tokens[:n], small.tokens) and torch.equal(large.labels[:n], small.labels)
+    # each document's tokens start with its own prompt, whose source it names
+    pairs = instructions()[:6]
+    for doc in large.doc_ids.unique().tolist():
+        text, source = next((t, s) for t, s in pairs if s == large.sources[doc])
+        prompt = encode_prompt(tokenizer, text)
+        assert large.tokens[large.doc_ids == doc][:len(prompt)].tolist() == prompt

@@ -14,16 +14,20 @@ from .instructions import instructions
 CHUNK = 512  # tokens per teacher-forced pass
 CORPUS_VERSION = 2  # bump when the training text changes, so cached features are not reused
 ANSWER_BATCH = 64  # prompts answered together: a step reads the weights once for all of them
+ANSWER_BLOCK = 2240  # prompts sorted by length together: README's Qwen commands answer one block
 MAX_PROMPT_TOKENS = 384
 FEATURES_DIR = "training-features"  # beside the target's cached weights, shared by every head
 
 
 def answer_features(target, num_answers: int, answer_tokens: int, work: Path, batch_size: int = ANSWER_BATCH,
-                    log=print) -> Features:
+                    block: int = ANSWER_BLOCK, log=print) -> Features:
     """The target's greedy answers to the first num_answers training instructions, with
-    its features along them (batch_greedy.py). Prompts are sorted by length so that a
-    batch pads little; each finished batch is saved, so an interrupted run resumes, and a
-    later training with the same settings reads them instead of answering again."""
+    its features along them (batch_greedy.py).
+
+    Prompts are sorted by length within blocks of `block`, so that a batch pads little.
+    Each finished batch is saved under a name made from its prompts, so an interrupted run
+    resumes, and a later run reads every batch an earlier one answered: asking for more
+    answers answers only the new blocks."""
     from tqdm import tqdm
 
     from ..prompts import encode_prompt
@@ -34,31 +38,35 @@ def answer_features(target, num_answers: int, answer_tokens: int, work: Path, ba
     prompts, sources = [ids for ids, _ in pairs], [source for _, source in pairs]
     if len(prompts) < num_answers:
         log(f"only {len(prompts)} training instructions fit; answering those")
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    order = [i for start in range(0, len(prompts), block)
+             for i in sorted(range(start, min(start + block, len(prompts))), key=lambda i: len(prompts[i]))]
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    folder = work / f"answers-{_key(target, num_answers, answer_tokens, batch_size)}"
+    folder = work / f"answers-{_key(target, answer_tokens)}"
     folder.mkdir(parents=True, exist_ok=True)
     eos = frozenset(target.info.eos_token_ids)
     parts = []
     with tqdm(total=len(prompts), desc="target answers", unit="prompt") as bar:
-        for number, batch in enumerate(batches):
-            path = folder / f"batch-{number:05d}.safetensors"
+        for batch in batches:
+            batch_prompts = [prompts[i] for i in batch]
+            path = folder / f"batch-{_key(batch_prompts)}.safetensors"
             if path.is_file():
                 part = Features.load(path)
             else:
-                part = batch_features(target.model, [prompts[i] for i in batch], answer_tokens, eos,
-                                      first_doc=number * batch_size)
+                part = batch_features(target.model, batch_prompts, answer_tokens, eos)  # doc id = row in batch
                 part.save(path)
+            # concat() numbers each part's documents from its first present one (an empty
+            # answer leaves no document), so the sources go from there alike
+            first, last = int(part.doc_ids.min()), int(part.doc_ids.max())
+            part.sources = [sources[batch[row]] for row in range(first, last + 1)]
             parts.append(part)
             bar.update(len(batch))
-    answers = concat(parts)
-    answers.sources = [sources[i] for i in order]  # documents are numbered in answering order
-    return answers
+    return concat(parts)
 
 
 def _key(*settings) -> str:
-    target, *rest = settings
-    return hashlib.sha256(json.dumps([CORPUS_VERSION, target.info.sha256, *rest]).encode()).hexdigest()[:12]
+    """A short hash of settings; a target stands for its weights' hash."""
+    settings = [s.info.sha256 if hasattr(s, "info") else s for s in settings]
+    return hashlib.sha256(json.dumps([CORPUS_VERSION, *settings]).encode()).hexdigest()[:12]
 
 
 def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answers: int, answer_tokens: int,

@@ -86,7 +86,7 @@ def concat(parts: list[Features]) -> Features:
     if any(p.drafted is not None for p in parts):
         drafted = torch.cat([p.drafted if p.drafted is not None else torch.zeros(len(p), dtype=torch.bool)
                              for p in parts])
-    # sources follow the doc ids when each part numbers its documents from 0
+    # sources, one per doc id from each part's first: they follow the renumbering
     sources = sum((p.sources for p in parts), []) if all(p.sources is not None for p in parts) else None
     return Features(torch.cat([p.tokens for p in parts]), torch.cat([p.labels for p in parts]), torch.cat(doc_ids),
                     {layer: torch.cat([p.hidden[layer] for p in parts]) for layer in layers}, drafted, sources)
