@@ -143,6 +143,13 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor x, torch::Tensor h, torch
                                          std::vector<torch::Tensor> weights,
                                          std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
                                          torch::Tensor mlp_norm, torch::Tensor next_norm, double eps);
+std::vector<torch::Tensor> decoder_stack(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                                         torch::Tensor keys, torch::Tensor values, int64_t start,
+                                         torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
+                                         std::vector<torch::Tensor> weights,
+                                         std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
+                                         std::vector<torch::Tensor> mlp_norms, std::vector<torch::Tensor> next_norms,
+                                         double eps, std::vector<int64_t> keep);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("request_amx", &request_amx);
@@ -152,5 +159,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv);
   m.def("silu_mul", &silu_mul);
   m.def("cache_attention", &cache_attention);
-  m.def("decoder_layer", &decoder_layer);
+  m.def("decoder_stack", &decoder_stack);
 }

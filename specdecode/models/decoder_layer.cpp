@@ -46,3 +46,39 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor x, torch::Tensor h, torch
   auto act = silu_mul(project(mid[1], weights[2], biases[2], out[2]));
   return add_rms_norm(mid[0], project(act, weights[3], biases[3], out[3]), next_norm, eps);
 }
+
+// Every layer of a pass in one call: decoder_layer for layers 0..L-1 in order, so the result
+// is bitwise the layer-by-layer one. Python's loop and the argument handling of 30 calls
+// cost about half a millisecond of a SmolLM2 step. keys, values: the whole cache
+// (L, B, nkv, max_len, hd); weights, biases: four per layer; mlp_norms, next_norms: one per
+// layer. Returns (x, h) after the last layer, then x after each layer listed in `keep`
+// (1-based counts of layers done, below L), in that order.
+std::vector<torch::Tensor> decoder_stack(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                                         torch::Tensor keys, torch::Tensor values, int64_t start,
+                                         torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
+                                         std::vector<torch::Tensor> weights,
+                                         std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
+                                         std::vector<torch::Tensor> mlp_norms, std::vector<torch::Tensor> next_norms,
+                                         double eps, std::vector<int64_t> keep) {
+  const int64_t L = static_cast<int64_t>(mlp_norms.size());
+  TORCH_CHECK(keys.size(0) == L && values.size(0) == L && next_norms.size() == static_cast<size_t>(L) &&
+              weights.size() == static_cast<size_t>(4 * L) && biases.size() == weights.size() && out.size() == 4,
+              "decoder_stack: one cache slice, four matrices and two norms per layer");
+  std::vector<torch::Tensor> kept;
+  size_t next_keep = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    std::vector<torch::Tensor> w(weights.begin() + 4 * i, weights.begin() + 4 * i + 4);
+    std::vector<c10::optional<torch::Tensor>> b(biases.begin() + 4 * i, biases.begin() + 4 * i + 4);
+    auto xh = decoder_layer(x, h, cos, sin, keys[i], values[i], start, allowed, num_heads, num_kv_heads, w, b, out,
+                            mlp_norms[i], next_norms[i], eps);
+    x = xh[0];
+    h = xh[1];
+    if (next_keep < keep.size() && keep[next_keep] == i + 1) {
+      kept.push_back(x);
+      ++next_keep;
+    }
+  }
+  std::vector<torch::Tensor> result{x, h};
+  result.insert(result.end(), kept.begin(), kept.end());
+  return result;
+}

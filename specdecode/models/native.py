@@ -149,13 +149,22 @@ class NativeModel:
         # untied head lives packed, and training reads it from the weights file instead).
         self.lm_head_weight = self.embed if head is None else None
         self.ops = layer_ops(dtype)
-        # A whole layer in one call (decoder_layer.cpp) where every matrix is on the AMX
-        # kernel and needs no padding, as amx.linear would add. Off: the same kernels one by one.
+        # Every layer in one call (decoder_layer.cpp) where every matrix is on the AMX kernel
+        # and needs no padding, as amx.linear would add. Off: the same kernels one by one.
         self.layer_in_one_call = self.ops is FusedOps and all(
             l.backend == "amx" and l.in_features % amx.STEP == 0 for layer in self.layers for l in layer.matrices)
-        self._packed = [layer.packed for layer in self.layers]  # the call's arguments, made once
+        self._stack = self._stack_arguments() if self.layer_in_one_call else None  # made once
         self._inv_freq = rope_inv_freq(c)
         self._cos = self._sin = torch.empty(0, c.head_dim)
+
+    def _stack_arguments(self) -> tuple:
+        """decoder_stack's weights, biases, output widths and norms, in its order."""
+        packed = [layer.packed for layer in self.layers]
+        widths = packed[0][2]
+        assert all(p[2] == widths for p in packed)  # every layer has the same shapes
+        next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
+        return ([w for p in packed for w in p[0]], [b for p in packed for b in p[1]], widths,
+                [layer.mlp_norm for layer in self.layers], next_norms)
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> "NativeModel":
@@ -252,23 +261,22 @@ class NativeModel:
         if 0 in hidden_layers:
             hidden[0] = x
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
-        one_call = ops is FusedOps and self.layer_in_one_call
-        if one_call:  # decoder_layer.cpp: the fused path's kernels, in one call a layer
+        if ops is FusedOps and self.layer_in_one_call:  # decoder_layer.cpp: the fused kernels, one call
             cos, sin = ((t if t.dim() == 3 else t[None]).contiguous() for t in (cos, sin))
             allowed = FusedOps.causal if attention is None else attention
-        for i, layer in enumerate(self.layers):
-            next_norm = self.layers[i + 1].attn_norm if i + 1 < c.num_layers else self.norm
-            if one_call:
-                x, h = amx.kernel().decoder_layer(
-                    x, h, cos, sin, cache.keys[i], cache.values[i], cache.length, allowed, c.num_heads,
-                    c.num_kv_heads, *self._packed[i], layer.mlp_norm, next_norm, eps)
-            else:
+            keep = sorted(i for i in set(hidden_layers) if 0 < i < c.num_layers)
+            x, h, *kept = amx.kernel().decoder_stack(x, h, cos, sin, cache.keys, cache.values, cache.length,
+                                                     allowed, c.num_heads, c.num_kv_heads, *self._stack, eps, keep)
+            hidden.update(zip(keep, kept))
+        else:
+            for i, layer in enumerate(self.layers):
+                next_norm = self.layers[i + 1].attn_norm if i + 1 < c.num_layers else self.norm
                 attended = (self._fused_attention(layer, h, cos, sin, cache, i, attention) if ops is FusedOps
                             else self._attention(layer, h, cos, sin, cache, i, attention, group))
                 x, h = ops.add_rms_norm(x, attended, layer.mlp_norm, eps)
                 x, h = ops.add_rms_norm(x, layer.down(ops.silu_mul(layer.gate_up(h))), next_norm, eps)
-            if i + 1 in hidden_layers and i + 1 < c.num_layers:
-                hidden[i + 1] = x
+                if i + 1 in hidden_layers and i + 1 < c.num_layers:
+                    hidden[i + 1] = x
         cache.advance(T)
         x = h  # the final norm of the last residual sum
         if c.num_layers in hidden_layers:
