@@ -1,6 +1,6 @@
 """The AMX bf16 linear kernel (amx_linear.cpp), the fused small ops of a bf16 layer
-(cpu_ops.cpp), its attention over the cache (attention.cpp) and the whole layer in one
-call (decoder_layer.cpp): one extension, built once per machine, loaded on demand.
+(cpu_ops.cpp), its attention over the cache (attention.cpp) and every layer of a pass in
+one call (decoder_layer.cpp): one extension, built once per machine, loaded on demand.
 
 `kernel()` returns the compiled module, or None where it cannot run (no AMX, no compiler)
 so that `Linear` falls back to oneDNN. The build (about a minute) goes to

@@ -1,10 +1,10 @@
-// A whole bf16 decoder layer of a decoding or verify pass in one call.
+// The bf16 decoder layers of a decoding or verify pass, all in one call.
 //
 // native.py's fused path calls these very kernels one by one, nine calls a layer, each
 // through Python and torch's argument handling. On a small model that round trip is a
 // tenth of a step (SmolLM2-135M: 30 layers, a step of 12-15 ms, of which about 1.5 ms
-// is calls between kernels). Here the layer runs them in the same order on the same
-// tensors, so its result is bitwise the step-by-step one.
+// is calls between kernels). Here every layer runs them in the same order on the same
+// tensors, so the result is bitwise the step-by-step one.
 #include <torch/extension.h>
 
 // amx_linear.cpp, cpu_ops.cpp, attention.cpp
