@@ -108,7 +108,7 @@ def test_bf16_verify_pass_equals_one_token_passes(tiny_llama):
 
 
 @pytest.mark.parametrize("folder", ["tiny_llama", "tiny_qwen2"])  # qwen2: q/k/v biases
-def test_a_layer_in_one_call_is_bitwise_the_kernels_one_by_one(folder, request):
+def test_every_layer_in_one_call_is_bitwise_the_kernels_one_by_one(folder, request):
     from specdecode.models import amx
     from specdecode.trees import build_tree, tree_attention
 
