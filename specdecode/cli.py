@@ -281,15 +281,15 @@ def add_train(sub) -> None:
         kind.add_argument("--out", help="artifact folder (default: beside the target's cached weights)")
         kind.add_argument("--reshape-only", action="store_true",
                           help="no training: choose the tree of the existing heads again, for this machine")
-        kind.add_argument("--from", dest="source", help="with --reshape-only: the heads' folder "
-                          "(default: the ones trained or shipped for the target)")
+        kind.add_argument("--from", dest="source", help="with --reshape-only: the heads' folder (default: the "
+                          "ones trained or shipped for the target); eagle without it: a head to continue training")
         kind.set_defaults(func=run_train_cmd)
 
 
 def run_train_cmd(args) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    if args.source and not args.reshape_only:
-        raise SpecDecodeError("--from goes with --reshape-only")
+    if args.source and not args.reshape_only and args.kind != "eagle":
+        raise SpecDecodeError("--from goes with --reshape-only (or with train eagle, to continue a head)")
     if args.reshape_only:
         from .training.reshape import reshape_eagle, reshape_medusa
 
@@ -304,7 +304,7 @@ def run_train_cmd(args) -> int:
         from .training.eagle import run_train_eagle
 
         folder = run_train_eagle(args.target, args.tokens, args.answers, args.answer_tokens, args.epochs,
-                                 args.out, args.intermediate_size, log=log)
+                                 args.out, args.intermediate_size, log=log, start=args.source)
     print(f"saved {folder}  (use: specdecode generate --target {args.target} --drafter {args.kind})")
     return 0
 

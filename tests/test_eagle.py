@@ -8,6 +8,7 @@ from specdecode import eagle
 from specdecode.draft_vocab import DraftVocab
 from specdecode.drafters.eagle import EagleDrafter
 from specdecode.engine import decode
+from specdecode.errors import SpecDecodeError
 from specdecode.events import collect
 from specdecode.models.native import NativeModel
 from specdecode.sampling import SamplingConfig, logits_to_probs
@@ -87,8 +88,8 @@ def test_eagle_sampling_keeps_the_target_distribution(tiny_vocab8):
     assert np.mean(accepted) > 0.2  # the second token came from an accepted tree node often
 
 
-def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_llama, tmp_path):
-    model = NativeModel.from_folder(tiny_llama, torch.float32)
+def _grammar_features(model):
+    """40 documents of an easy grammar (each token has one successor), through the model."""
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(96, generator=g)
     docs = []
@@ -97,7 +98,12 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
         while len(doc) < 40:
             doc.append(int(perm[doc[-1]]))
         docs.append(doc)
-    features = collect_features(model, docs, (model.config.num_layers,))
+    return collect_features(model, docs, (model.config.num_layers,))
+
+
+def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_llama, tmp_path):
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    features = _grammar_features(model)
     lm_weight = lm_weight_of(tiny_llama)
     config = EagleTrainConfig(epochs=6, lr=3e-3, intermediate_size=64, checkpoint_every=20, tokens_per_step=80)
     head, record = train(model, features, lm_weight, config, tmp_path, "tiny", None, log=lambda _: None)
@@ -121,6 +127,26 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
         assert torch.equal(a.to(torch.bfloat16).float(), b), name
     with pytest.raises(Exception, match="no EAGLE head"):
         eagle.load(tmp_path / "missing")
+
+
+def test_training_can_continue_from_a_trained_head(tiny_llama, tmp_path):
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    features = _grammar_features(model)
+    lm_weight = lm_weight_of(tiny_llama)
+    config = EagleTrainConfig(epochs=3, lr=3e-3, intermediate_size=64, checkpoint_every=1000, tokens_per_step=80)
+    quiet = lambda _: None  # noqa: E731
+    for work in "abc":
+        (tmp_path / work).mkdir()
+    first, record = train(model, features, lm_weight, config, tmp_path / "a", "tiny", None, log=quiet)
+    saved = eagle.load(eagle.save(tmp_path / "head", first))
+    more, again = train(model, features, lm_weight, config, tmp_path / "b", "tiny", None, log=quiet, init=saved)
+    # it starts where the first run ended (up to the artifact's bf16 rounding), not from scratch
+    assert again["held_out_loss_before"] == pytest.approx(record["held_out_loss_after"], rel=0.05)
+    assert again["held_out_loss_before"] < 0.7 * record["held_out_loss_before"]
+    assert again["held_out_loss_after"] < again["held_out_loss_before"]
+    narrower = EagleTrainConfig(epochs=1, intermediate_size=32)
+    with pytest.raises(SpecDecodeError, match="another shape"):
+        train(model, features, lm_weight, narrower, tmp_path / "c", "tiny", None, log=quiet, init=saved)
 
 
 def test_packing_groups_documents_up_to_the_step_size():

@@ -106,7 +106,8 @@ def packed_loss(head, embed, features: Features, hidden, docs: Sequence[torch.Te
 
 
 def train(target, features: Features, lm_weight, config: EagleTrainConfig, work: Path, name: str, sha256,
-          log=print):
+          log=print, init: eagle.EagleHead | None = None):
+    """init: a trained head to start from (more data or more steps on top of it), else a new one."""
     layer = max(features.hidden)
     hidden = features.hidden[layer]
     train_idx, held_idx = split(features)
@@ -116,6 +117,8 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
     embed = target.embed
 
     head = eagle.new_head(target.config, name, sha256, config.intermediate_size, config.seed)
+    if init is not None:
+        start_from(head, init)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     shuffled = torch.randperm(len(train_docs), generator=torch.Generator().manual_seed(config.seed)).tolist()
     train_docs = [train_docs[i] for i in shuffled]
@@ -123,7 +126,9 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
                for group in pack([len(d) for d in train_docs], config.tokens_per_step)]
     held_batches = [[held_docs[i] for i in group] for group in pack([len(d) for d in held_docs], config.tokens_per_step)]
     total = max(1, int(config.epochs * len(batches)))
-    checkpoint = Checkpoint(work / "eagle-checkpoint.pt", head, optimizer, config, (len(features), len(held_idx)))
+    started = None if init is None else _fingerprint(init)  # a resume must start from the same head
+    checkpoint = Checkpoint(work / "eagle-checkpoint.pt", head, optimizer, config,
+                            (len(features), len(held_idx), started))
     step, record = checkpoint.resume()
     if step:
         log(f"resuming from step {step} of {total}")
@@ -160,6 +165,22 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
     head.config.training = record
     head.draft_vocab = torch.unique(features.labels)  # the rows its token loss was trained on
     return head, record
+
+
+def _fingerprint(head: eagle.EagleHead) -> str:
+    import hashlib
+
+    return hashlib.sha256(head.fuse.weight.detach().float().numpy().tobytes()).hexdigest()[:16]
+
+
+def start_from(head: eagle.EagleHead, init: eagle.EagleHead) -> None:
+    """Copy a trained head's weights into a new one of the same shape (fp32 for training)."""
+    from ..errors import SpecDecodeError
+
+    mine, theirs = head.state_dict(), init.state_dict()
+    if {k: v.shape for k, v in mine.items()} != {k: v.shape for k, v in theirs.items()}:
+        raise SpecDecodeError("the head to start from has another shape (another target or --intermediate-size)")
+    head.load_state_dict({k: v.float() for k, v in theirs.items()})
 
 
 @torch.no_grad()
@@ -239,7 +260,8 @@ def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: i
 
 def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: int = 24, answer_tokens: int = 128,
                     epochs: float = 2.0, out: str | Path | None = None, intermediate_size: int | None = None,
-                    log=print) -> Path:
+                    log=print, start: str | Path | None = None) -> Path:
+    """start: the folder of a trained head to continue from (`--from`), else a new head."""
     from .data import prepare
     from ..errors import SpecDecodeError
 
@@ -248,8 +270,18 @@ def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: in
     target, features, folder, work = prepare(target_name, out, eagle.default_dir, num_tokens, num_answers,
                                              answer_tokens, epochs, "EAGLE", log)
     lm_weight = lm_head_weight(target)
+    init = None
+    if start is not None:
+        init = eagle.load(start)
+        if init.config.target_sha256 not in (None, target.info.sha256):
+            raise SpecDecodeError(f"the head in {start} was trained for another target ({init.config.target})")
+        intermediate_size = intermediate_size or init.config.intermediate_size
+        log(f"starting from the head in {start}")
     config = EagleTrainConfig(epochs=epochs, intermediate_size=intermediate_size)
-    head, record = train(target.model, features, lm_weight, config, work, target_name, target.info.sha256, log)
+    head, record = train(target.model, features, lm_weight, config, work, target_name, target.info.sha256, log,
+                         init)
+    if start is not None:
+        record["started_from"] = str(start)
     log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
         f"top-1 {record['held_out_top1_before']:.3f} -> {record['held_out_top1_after']:.3f}")
     vocab = DraftVocab.rows(lm_weight, head.draft_vocab, target.model.dtype)
