@@ -267,12 +267,11 @@ def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: in
 
     if intermediate_size is not None and intermediate_size <= 0:
         raise SpecDecodeError("--intermediate-size must be positive")
+    init = None if start is None else eagle.load(start)  # a wrong folder fails before minutes of set-up
     target, features, folder, work = prepare(target_name, out, eagle.default_dir, num_tokens, num_answers,
                                              answer_tokens, epochs, "EAGLE", log)
     lm_weight = lm_head_weight(target)
-    init = None
-    if start is not None:
-        init = eagle.load(start)
+    if init is not None:
         if init.config.target_sha256 not in (None, target.info.sha256):
             raise SpecDecodeError(f"the head in {start} was trained for another target ({init.config.target})")
         intermediate_size = intermediate_size or init.config.intermediate_size
