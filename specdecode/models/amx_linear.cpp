@@ -137,12 +137,6 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values, int64_t start,
                               torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads);
 // decoder_layer.cpp
-std::vector<torch::Tensor> decoder_layer(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
-                                         torch::Tensor keys, torch::Tensor values, int64_t start,
-                                         torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
-                                         std::vector<torch::Tensor> weights,
-                                         std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
-                                         torch::Tensor mlp_norm, torch::Tensor next_norm, double eps);
 std::vector<torch::Tensor> decoder_stack(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                                          torch::Tensor keys, torch::Tensor values, int64_t start,
                                          torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
