@@ -23,6 +23,18 @@ def save_tiny(folder, kind: str = "llama", seed: int = 0, **overrides) -> str:
     return str(folder)
 
 
+@pytest.fixture(params=["this machine's", "AVX2-only"])
+def bf16_path(request, monkeypatch):
+    """Run a bf16 test on this machine's own kernels, then as a CPU without AVX-512 runs it
+    (AMD Zen 3, say): no AMX kernel, no oneDNN packing, torch's ops and F.linear."""
+    if request.param == "AVX2-only":
+        from specdecode.models import amx, linear
+
+        monkeypatch.setattr(amx, "kernel", lambda: None)
+        monkeypatch.setattr(linear, "onednn_packs_bf16", lambda: False)
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("tiny_llama"), "llama", seed=0)

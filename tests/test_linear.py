@@ -11,9 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.models import amx
+from specdecode.models import linear
 from specdecode.models.linear import Linear
 
 needs_amx = pytest.mark.skipif(amx.kernel() is None, reason="no AMX kernel on this machine")
+needs_onednn_bf16 = pytest.mark.skipif(not linear.onednn_packs_bf16(), reason="oneDNN cannot pack bf16 on this CPU")
 
 
 def weights(out_features: int, in_features: int, seed: int, bias: bool = True):
@@ -50,6 +52,7 @@ def test_amx_rows_do_not_depend_on_the_row_count(shape):
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
 
 
+@needs_onednn_bf16
 def test_without_the_kernel_bf16_weights_go_to_onednn(monkeypatch):
     monkeypatch.setattr(amx, "kernel", lambda: None)
     w, b = weights(96, 64, seed=2)
@@ -58,6 +61,16 @@ def test_without_the_kernel_bf16_weights_go_to_onednn(monkeypatch):
     x = torch.randn(4, 64).bfloat16()
     torch.testing.assert_close(layer(x).float(), F.linear(x.float(), w.float(), b.float()), rtol=2**-8, atol=1e-3)
     assert Linear(w.float(), b.float()).backend == "torch"
+
+
+def test_where_onednn_cannot_pack_bf16_weights_go_to_f_linear(monkeypatch):
+    """An AVX2-only CPU (AMD Zen 3 here): oneDNN refuses to reorder bf16, F.linear still runs."""
+    monkeypatch.setattr(linear, "onednn_packs_bf16", lambda: False)
+    w, b = weights(96, 64, seed=3)
+    layer = Linear(w, b)
+    assert layer.backend == "torch" and not layer.packed
+    x = torch.randn(4, 64).bfloat16()
+    torch.testing.assert_close(layer(x).float(), F.linear(x.float(), w.float(), b.float()), rtol=2**-8, atol=1e-3)
 
 
 def test_an_unknown_kernel_choice_is_refused(monkeypatch):

@@ -384,7 +384,7 @@ def test_qwen_bf16_tree_pass_is_bitwise_plain(qwen_folder):
     assert_tree_pass_is_bitwise_plain(model, 505, tree, vocab=1000, seed=2)
 
 
-def test_bf16_tree_pass_equals_one_token_passes(tiny_llama):
+def test_bf16_tree_pass_equals_one_token_passes(tiny_llama, bf16_path):
     """Batch invariance for trees: in bf16, each node's logits from one tree pass are bitwise
     those of plain one-token decoding along its path, so greedy tree decoding emits exactly
     plain greedy decoding's tokens (masked sibling slots add exact zeros; native.py)."""

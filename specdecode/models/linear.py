@@ -18,24 +18,34 @@ of up to 10 drafts batch-invariant.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from . import amx
 
 
+@functools.cache
+def onednn_packs_bf16() -> bool:
+    """Whether oneDNN can reorder a bf16 weight on this CPU: it needs AVX-512 (bw, vl, dq)
+    or AVX-NE-CONVERT, and refuses otherwise (an AVX2-only CPU such as AMD Zen 3)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and onednn_packs_bf16()
 
 
 # Rows up to which a product's rows are bitwise independent of the row count, per backend:
-# any number on AMX (one tile code path), 11 on oneDNN's packing (measured), any in fp32
-# F.linear here (tested through greedy identity). A bf16 verify pass must stay within it.
+# any number on AMX (one tile code path), 11 on oneDNN's packing (measured), any in
+# F.linear (fp32 tested through greedy identity; bf16 on an AVX2-only CPU, measured to 64). A bf16 verify pass must stay within it.
 ROW_INVARIANT_ROWS = {"amx": None, "onednn": 11, "torch": None}
 
 

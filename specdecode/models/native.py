@@ -93,6 +93,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 FUSED_MAX_ROWS = 128  # tokens per pass up to which the fused small ops run (layer_ops.py)
+ROWS_APART_MAX = 64  # rows per pass up to which torch's bf16 attention takes one row per batch element (_attend)
 
 
 def key_slots(end: int, max_len: int) -> int:
@@ -249,9 +250,9 @@ class NativeModel:
         else:
             plans = plan_paths(mask, start) if mask is not None and B == 1 else None
             if plans is None:
-                attention = [(None, self._attention_mask(mask, T, start, cache.max_len, group))]
+                attention = [(None, self._attention_mask(mask, T, start, cache.max_len))]
             else:
-                attention = [(plan, self._path_mask(plan, start, cache.max_len, group)) for plan in plans]
+                attention = [(plan, self._path_mask(plan, start, cache.max_len)) for plan in plans]
             # Additive masks made once per pass: given a boolean mask, attention would build this
             # very one again in every layer (0 where allowed, -inf elsewhere, in the query dtype).
             attention = [(plan, additive_mask(allowed, self.dtype)) for plan, allowed in attention]
@@ -303,8 +304,8 @@ class NativeModel:
                                        c.num_heads, c.num_kv_heads)
         return layer.o(out)
 
-    def _attention_mask(self, mask: torch.Tensor | None, T: int, start: int, max_len: int, group: int) -> torch.Tensor:
-        """Boolean mask shaped for attention with query heads folded into the length."""
+    def _attention_mask(self, mask: torch.Tensor | None, T: int, start: int, max_len: int) -> torch.Tensor:
+        """Boolean mask (B or 1, T, key slots) over the slots attention reads."""
         if mask is None:
             slots = torch.arange(start + T)
             mask = slots[None, :] <= (start + torch.arange(T))[:, None]  # causal by slot
@@ -312,16 +313,14 @@ class NativeModel:
             check_mask_shape(mask, T, start)
         if mask.dim() == 2:
             mask = mask[None]
-        mask = F.pad(mask, (0, key_slots(start + T, max_len) - start - T), value=False)  # past the new tokens
-        # rows (g, t) in the folded layout, so repeat the T rows once per query head in a group
-        return mask[:, None].repeat(1, 1, group, 1)  # (B or 1, 1, group*T, key slots)
+        return F.pad(mask, (0, key_slots(start + T, max_len) - start - T), value=False)  # past the new tokens
 
-    def _path_mask(self, plan: PathPlan, start: int, max_len: int, group: int) -> torch.Tensor:
-        """Causal mask for a path's queries over the path written at slots start, start + 1, ..."""
+    def _path_mask(self, plan: PathPlan, start: int, max_len: int) -> torch.Tensor:
+        """Causal mask (1, Q, key slots) for a path's queries over the path written at slots start, start + 1, ..."""
         end = start + len(plan.nodes)
         slots = torch.arange(key_slots(end, max_len))
         rows = start + torch.arange(plan.first_query, len(plan.nodes))
-        return (slots[None, :] <= rows[:, None])[None, None].repeat(1, 1, group, 1)
+        return (slots[None, :] <= rows[:, None])[None]
 
     def _attention(self, layer: Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                    index: int, attention: list[tuple[PathPlan | None, torch.Tensor]], group: int) -> torch.Tensor:
@@ -343,10 +342,27 @@ class NativeModel:
     @staticmethod
     def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, index: int,
                 attn_mask: torch.Tensor, group: int) -> torch.Tensor:
-        """Write k, v (B, nkv, L, hd) at the cache's next slots; q (B, nh, Q, hd) attends there."""
+        """Write k, v (B, nkv, L, hd) at the cache's next slots; q (B, nh, Q, hd) attends there,
+        each row as attn_mask (B or 1, Q, key slots), additive, allows."""
         B, nh, Q, hd = q.shape
         keys, values = cache.write(index, k, v)  # (B, nkv, max_len, hd), the whole buffer
         n = attn_mask.shape[-1]
-        q = q.reshape(B, nh // group, group * Q, hd)  # query heads of a group folded into the length
-        out = F.scaled_dot_product_attention(q, keys[:, :, :n], values[:, :, :n], attn_mask=attn_mask)
+        keys, values = keys[:, :, :n], values[:, :, :n]
+        nkv = nh // group
+        if q.dtype != torch.float32 and Q > 1 and B * Q <= ROWS_APART_MAX:
+            # One batch element per row: torch's reduced-precision kernel then computes each row
+            # exactly as a one-row pass does. Folded into one length, a row's result depends on
+            # how many rows share the call (seen on an AVX2 CPU: a SmolLM2 verify pass flipped a
+            # greedy token). fp32 rows differ from a one-row pass either way (measured), slightly.
+            out = torch.empty_like(q)
+            for b in range(B):
+                rows = q[b].view(nkv, group, Q, hd).permute(2, 0, 1, 3)  # (Q, nkv, group, hd)
+                mask = attn_mask[b if attn_mask.shape[0] > 1 else 0][:, None, None, :]  # (Q, 1, 1, n)
+                o = F.scaled_dot_product_attention(rows, keys[b:b + 1].expand(Q, -1, -1, -1),
+                                                   values[b:b + 1].expand(Q, -1, -1, -1), attn_mask=mask)
+                out[b] = o.permute(1, 2, 0, 3).reshape(nh, Q, hd)
+            return out
+        # query heads of a group folded into the length, rows (g, t): the mask's T rows once per head
+        folded_mask = attn_mask[:, None].repeat(1, 1, group, 1)  # (B or 1, 1, group*Q, n)
+        out = F.scaled_dot_product_attention(q.reshape(B, nkv, group * Q, hd), keys, values, attn_mask=folded_mask)
         return out.view(B, nh, Q, hd)

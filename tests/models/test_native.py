@@ -94,7 +94,7 @@ def test_rewind_and_compact_then_continue_equals_recompute(tiny_qwen2, dtype):
     torch.testing.assert_close(out, full[:, 9:], rtol=0, atol=1e-4 if dtype == torch.float32 else 0.07)
 
 
-def test_bf16_verify_pass_equals_one_token_passes(tiny_llama):
+def test_bf16_verify_pass_equals_one_token_passes(tiny_llama, bf16_path):
     """Batch invariance: k+1 tokens in one pass give bit-identical logits to k+1 single passes."""
     model = NativeModel.from_folder(tiny_llama, torch.bfloat16)
     seq = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -105,6 +105,31 @@ def test_bf16_verify_pass_equals_one_token_passes(tiny_llama):
         many = model(seq[:, 20:21 + k], batched).logits
         ones = torch.cat([model(seq[:, i:i + 1], single).logits for i in range(20, 21 + k)], dim=1)
         assert torch.equal(many, ones)
+
+
+def test_bf16_attention_rows_equal_one_row_calls_at_smollm2_head_shapes():
+    """torch's bf16 attention at SmolLM2's shapes (9 heads over 3 key-value heads of 64): with
+    the rows of a pass folded into one length, a row now and then got other bits than a
+    one-row pass (a SmolLM2 verify pass flipped a greedy token on an AVX2 CPU; native._attend)."""
+    from specdecode.models.kv_cache import KVCache
+    from specdecode.models.native import additive_mask
+
+    generator = torch.Generator().manual_seed(0)
+    randn = lambda *shape: torch.randn(*shape, generator=generator).bfloat16()
+    slots = torch.arange(512)
+    for trial in range(60):
+        T = 2 + trial % 7
+        past_k, past_v, q, k, v = randn(1, 3, 20, 64), randn(1, 3, 20, 64), randn(1, 9, T, 64), randn(1, 3, T, 64), randn(1, 3, T, 64)
+        cache = KVCache(1, 1, 3, 512, 64, torch.bfloat16)
+        cache.write(0, past_k, past_v)
+        cache.advance(20)
+        allowed = slots[None, :] <= 20 + torch.arange(T)[:, None]  # causal over the new rows
+        together = NativeModel._attend(q, k, v, cache, 0, additive_mask(allowed[None], torch.bfloat16), 3)
+        for row in range(T):
+            cache.length = 20 + row
+            alone = NativeModel._attend(q[:, :, row:row + 1], k[:, :, row:row + 1], v[:, :, row:row + 1], cache, 0,
+                                        additive_mask(allowed[None, row:row + 1], torch.bfloat16), 3)
+            assert torch.equal(together[:, :, row], alone[:, :, 0]), (trial, row)
 
 
 @pytest.mark.parametrize("folder", ["tiny_llama", "tiny_qwen2"])  # qwen2: q/k/v biases
