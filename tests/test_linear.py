@@ -1,8 +1,9 @@
-"""The bf16 linear layer: the AMX kernel against F.linear, and its rows' independence.
+"""The bf16 linear layer: this machine's kernel (AMX or AVX2) against F.linear, and its
+rows' independence.
 
 Greedy identity in bf16 rests on this: a verify pass over many tokens must give each
-token bitwise the product of a one-token pass. The AMX kernel computes every row with the
-same tile instructions in the same order, so that holds for any number of rows; oneDNN's
+token bitwise the product of a one-token pass. Both kernels compute every row with the
+same instructions in the same order, so that holds for any number of rows; oneDNN's
 packed product holds it up to 11 rows only.
 """
 
@@ -14,7 +15,7 @@ from specdecode.models import amx
 from specdecode.models import linear
 from specdecode.models.linear import Linear
 
-needs_amx = pytest.mark.skipif(amx.kernel() is None, reason="no AMX kernel on this machine")
+needs_kernel = pytest.mark.skipif(amx.kernel() is None, reason="no kernel (AMX or AVX2) on this machine")
 needs_onednn_bf16 = pytest.mark.skipif(not linear.onednn_packs_bf16(), reason="oneDNN cannot pack bf16 on this CPU")
 
 
@@ -25,12 +26,12 @@ def weights(out_features: int, in_features: int, seed: int, bias: bool = True):
     return w, b
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("shape", [(2048, 1536), (576, 1536), (100, 40), (64, 32), (7, 70)])
-def test_amx_product_matches_fp32_reference_within_bf16_rounding(shape):
+def test_kernel_product_matches_fp32_reference_within_bf16_rounding(shape):
     w, b = weights(*shape, seed=0)
     layer = Linear(w, b)
-    assert layer.backend == "amx"
+    assert layer.backend == amx.kernel_kind()
     x = torch.randn(3, 5, shape[1]).bfloat16()
     got = layer(x)
     want = F.linear(x.float(), w.float(), b.float())  # exact up to fp32 sums
@@ -39,9 +40,9 @@ def test_amx_product_matches_fp32_reference_within_bf16_rounding(shape):
     torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-3)
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (130, 100)])  # the first two split K
-def test_amx_rows_do_not_depend_on_the_row_count(shape):
+def test_kernel_rows_do_not_depend_on_the_row_count(shape):
     w, b = weights(*shape, seed=1)
     layer = Linear(w, b)
     x = torch.randn(40, shape[1]).bfloat16()
@@ -63,8 +64,10 @@ def test_without_the_kernel_bf16_weights_go_to_onednn(monkeypatch):
     assert Linear(w.float(), b.float()).backend == "torch"
 
 
-def test_where_onednn_cannot_pack_bf16_weights_go_to_f_linear(monkeypatch):
-    """An AVX2-only CPU (AMD Zen 3 here): oneDNN refuses to reorder bf16, F.linear still runs."""
+def test_without_a_kernel_where_onednn_cannot_pack_bf16_weights_go_to_f_linear(monkeypatch):
+    """An AVX2-only CPU (AMD Zen 3) where the kernel did not build: oneDNN refuses to
+    reorder bf16, F.linear still runs."""
+    monkeypatch.setattr(amx, "kernel", lambda: None)
     monkeypatch.setattr(linear, "onednn_packs_bf16", lambda: False)
     w, b = weights(96, 64, seed=3)
     layer = Linear(w, b)

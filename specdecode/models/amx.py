@@ -1,11 +1,18 @@
-"""The AMX bf16 linear kernel (amx_linear.cpp), the fused small ops of a bf16 layer
-(cpu_ops.cpp), its attention over the cache (attention.cpp) and every layer of a pass in
-one call (decoder_layer.cpp): one extension, built once per machine, loaded on demand.
+"""The project's bf16 kernels: one extension, built once per machine, loaded on demand.
 
-`kernel()` returns the compiled module, or None where it cannot run (no AMX, no compiler)
-so that `Linear` falls back to oneDNN. The build (about a minute) goes to
-$SPECDECODE_HOME/kernels/, keyed by the source and torch version, and is reused after.
-SPECDECODE_KERNEL=onednn turns the kernel off; =amx makes its absence an error.
+Two builds of the same functions, one per kind of CPU:
+- "amx" (CPUs with AMX): the AMX linear kernel (amx_linear.cpp), the fused small ops of a
+  layer (cpu_ops.cpp) and attention over the cache (attention.cpp), in AVX-512;
+- "avx2" (other x86-64 CPUs, such as AMD Zen 3): the same, eight lanes wide
+  (avx2_linear.cpp, avx2_ops.cpp, avx2_attention.cpp).
+Both add the rotary embedding (rope.cpp) and every layer of a pass in one call
+(decoder_layer.cpp).
+
+`kernel()` returns the compiled module, or None where none can run (no AVX2, no compiler)
+so that `Linear` falls back to oneDNN or F.linear. The build (about a minute) goes to
+$SPECDECODE_HOME/kernels/, keyed by the sources and torch version, and is reused after.
+SPECDECODE_KERNEL=onednn turns the kernels off; =amx or =avx2 picks that build and makes
+its absence an error (=avx2 runs the AVX2 build on an AMX CPU too).
 """
 
 from __future__ import annotations
@@ -26,46 +33,78 @@ from .huge_pages import on_huge_pages
 from .store import home
 
 KERNEL_ENV = "SPECDECODE_KERNEL"
-CHOICES = ("auto", "amx", "onednn")
-SOURCES = [Path(__file__).with_name(name) for name in ("amx_linear.cpp", "cpu_ops.cpp", "attention.cpp",
-                                                    "decoder_layer.cpp")]
-HEADERS = [Path(__file__).with_name("simd_math.h")]  # part of the build's key, not compiled alone
-GROUP, STEP = 64, 32  # outputs per packed group, K per tile step (see amx_linear.cpp)
+KINDS = ("amx", "avx2")  # the builds, best first
+CHOICES = ("auto", *KINDS, "onednn")
+_HERE = Path(__file__).parent
+SOURCES = {
+    "amx": [_HERE / n for n in ("amx_linear.cpp", "cpu_ops.cpp", "rope.cpp", "attention.cpp", "decoder_layer.cpp")],
+    "avx2": [_HERE / n for n in ("avx2_linear.cpp", "avx2_ops.cpp", "rope.cpp", "avx2_attention.cpp",
+                                 "decoder_layer.cpp")],
+}
+HEADERS = {  # part of the build's key, not compiled alone
+    "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h"],
+    "avx2": [_HERE / "avx2_math.h", _HERE / "attention_host.h"],
+}
+FLAGS = {
+    "amx": ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
+}
+GROUP, STEP = 64, 32  # AMX: outputs per packed group, K per tile step (see amx_linear.cpp)
+BLOCK = 32  # AVX2: outputs per packed block (see avx2_linear.cpp)
 STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a dead process
 
 
-def cpu_has_amx() -> bool:
+REQUIRED_FLAGS = {"amx": ("amx_bf16", "amx_tile"), "avx2": ("avx2", "fma")}
+
+
+def cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
-    return "amx_bf16" in flags and "amx_tile" in flags
+        return set()
+
+
+def cpu_has(kind: str) -> bool:
+    return all(flag in cpu_flags() for flag in REQUIRED_FLAGS[kind])
+
+
+def cpu_has_amx() -> bool:
+    return cpu_has("amx")
 
 
 @functools.cache
 def kernel():
+    """The built module for this CPU (its `kind`: "amx" or "avx2"), or None."""
     choice = os.environ.get(KERNEL_ENV, "auto")
     if choice not in CHOICES:
         raise SpecDecodeError(f"{KERNEL_ENV}={choice!r}: choose one of {', '.join(CHOICES)}")
     if choice == "onednn":
         return None
-    if not cpu_has_amx() and choice == "auto":  # a fact of the machine, not a failure: no warning
+    kind = choice if choice != "auto" else next((k for k in KINDS if cpu_has(k)), None)
+    if kind is None:  # a fact of the machine, not a failure: no warning
         return None
     try:
-        if not cpu_has_amx():
-            raise RuntimeError("this CPU has no AMX (amx_bf16, amx_tile)")
-        module = _build()
-        if not module.request_amx():
+        if not cpu_has(kind):
+            raise RuntimeError(f"this CPU lacks {' and '.join(REQUIRED_FLAGS[kind])}")
+        module = _build(kind)
+        if kind == "amx" and not module.request_amx():
             raise RuntimeError("the kernel refused AMX state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        module.kind = kind
         return module
-    except Exception as e:  # a missing compiler, an old kernel: run on oneDNN instead
-        if choice == "amx":
-            raise SpecDecodeError(f"the AMX kernel is not available: {e}") from e
-        warnings.warn(f"bf16 linear layers run without the AMX kernel: {e}", stacklevel=2)
+    except Exception as e:  # a missing compiler, an old kernel: run on oneDNN or torch instead
+        if choice != "auto":
+            raise SpecDecodeError(f"the {kind} kernel is not available: {e}") from e
+        warnings.warn(f"bf16 linear layers run without the {kind} kernel: {e}", stacklevel=2)
         return None
 
 
-def _build():
+def kernel_kind() -> str | None:
+    """"amx", "avx2", or None where no kernel runs."""
+    module = kernel()
+    return None if module is None else module.kind
+
+
+def _build(kind: str):
     import shutil
 
     from torch.utils.cpp_extension import load
@@ -75,26 +114,47 @@ def _build():
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + torch.__version__.encode()).hexdigest()[:12]
-    build_dir = home() / "kernels" / f"amx-{tag}"
+    files = SOURCES[kind] + HEADERS[kind]
+    tag = hashlib.sha256(b"".join(p.read_bytes() for p in files) + torch.__version__.encode()).hexdigest()[:12]
+    build_dir = home() / "kernels" / f"{kind}-{tag}"
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = build_dir / "lock"  # torch's build lock; a build killed midway leaves it behind forever
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
-    if not (build_dir / "specdecode_amx.so").exists():
-        print("building the AMX bf16 kernel (once per machine, about a minute)...", file=sys.stderr, flush=True)
+    name = f"specdecode_{kind}"
+    if not (build_dir / f"{name}.so").exists():
+        print(f"building the {kind} bf16 kernels (once per machine, about a minute)...", file=sys.stderr, flush=True)
     return load(
-        name="specdecode_amx",
-        sources=[str(p) for p in SOURCES],
+        name=name,
+        sources=[str(p) for p in SOURCES[kind]],
         build_directory=str(build_dir),
-        extra_cflags=["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
+        extra_cflags=FLAGS[kind],
         extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has already loaded
         verbose=False,
     )
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) bf16 -> the kernel's tiles (N/64, K/32, 4, 16, 16, 2), zero-padded."""
+    """(N, K) bf16 -> the layout this machine's kernel reads."""
+    return _pack_amx(weight) if kernel_kind() == "amx" else _pack_avx2(weight)
+
+
+def _pack_avx2(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N/32, K, 32), zero-padded; within each half of 16 outputs, output i (0-7)
+    at 2i and output 8 + i at 2i + 1 (avx2_linear.cpp)."""
+    N, K = weight.shape
+    Np = -(-N // BLOCK) * BLOCK
+    w = F.pad(weight, (0, 0, 0, Np - N)).view(Np // BLOCK, 2, 2, 8, K)  # output 16 h + 8 e + i
+    return on_huge_pages(w.permute(0, 4, 1, 3, 2).reshape(Np // BLOCK, K, BLOCK))  # (blocks, K, h i e)
+
+
+def needs_padding(in_features: int) -> bool:
+    """Whether linear() pads x along K for this machine's kernel (AMX: whole tile steps)."""
+    return kernel_kind() == "amx" and in_features % STEP != 0
+
+
+def _pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) bf16 -> the AMX tiles (N/64, K/32, 4, 16, 16, 2), zero-padded."""
     N, K = weight.shape
     Np, Kp = -(-N // GROUP) * GROUP, -(-K // STEP) * STEP
     w = F.pad(weight, (0, Kp - K, 0, Np - N))
@@ -103,7 +163,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x (M, K) bf16 -> (M, out_features) bf16, through the packed weight."""
-    Kp = packed.shape[1] * STEP
+    Kp = packed.shape[1] * STEP if kernel_kind() == "amx" else x.shape[1]
     if x.shape[1] != Kp:
         x = F.pad(x, (0, Kp - x.shape[1]))
     return kernel().linear(x.contiguous(), packed, bias, out_features)

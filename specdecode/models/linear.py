@@ -1,8 +1,9 @@
 """A linear layer that streams bf16 weights at memory speed on CPU.
 
-Where the CPU has AMX, bf16 weights go through the AMX kernel (amx.py): it streams at
-about 25 GB/s here and computes every row alike for any number of rows. Elsewhere they
-are packed for oneDNN, as measured below.
+bf16 weights go through the project's kernel for this CPU (amx.py): on AMX it streams at
+about 25 GB/s on the machine measured below; on AVX2-only CPUs (AMD Zen 3) the AVX2
+kernel. Both compute every row alike for any number of rows. Where neither is built, they
+are packed for oneDNN, as measured below, or, where oneDNN refuses bf16, go to F.linear.
 
 Decoding one token is a chain of matrix-vector products, so its speed is the rate at
 which weights stream from memory. Measured here on weights far larger than the 480 MB
@@ -39,14 +40,14 @@ def onednn_packs_bf16() -> bool:
     return True
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and onednn_packs_bf16()
+def _is_cpu_bf16(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16
 
 
 # Rows up to which a product's rows are bitwise independent of the row count, per backend:
 # any number on AMX (one tile code path), 11 on oneDNN's packing (measured), any in
 # F.linear (fp32 tested through greedy identity; bf16 on an AVX2-only CPU, measured to 64). A bf16 verify pass must stay within it.
-ROW_INVARIANT_ROWS = {"amx": None, "onednn": 11, "torch": None}
+ROW_INVARIANT_ROWS = {"amx": None, "avx2": None, "onednn": 11, "torch": None}
 
 
 class Linear:
@@ -56,9 +57,10 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.weight_bytes = weight.numel() * weight.element_size()
-        self.packed = pack and _can_pack(weight)
-        self.backend = "amx" if self.packed and amx.kernel() is not None else "onednn" if self.packed else "torch"
-        if self.backend == "amx":
+        kernel = amx.kernel_kind() if pack and _is_cpu_bf16(weight) else None
+        self.packed = kernel is not None or (pack and _is_cpu_bf16(weight) and onednn_packs_bf16())
+        self.backend = kernel or ("onednn" if self.packed else "torch")
+        if kernel is not None:
             self.weight = amx.pack(weight)
             return
         # The reorder takes a batch-size hint. With hint 1, a row's product is bit-identical
@@ -71,7 +73,7 @@ class Linear:
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
-        if self.backend == "amx":
+        if self.backend in amx.KINDS:  # this machine's kernel
             return amx.linear(x.reshape(-1, self.in_features), self.weight, self.bias, self.out_features).view(*lead, self.out_features)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
         return y.view(*lead, self.out_features)

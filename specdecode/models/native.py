@@ -150,10 +150,10 @@ class NativeModel:
         # untied head lives packed, and training reads it from the weights file instead).
         self.lm_head_weight = self.embed if head is None else None
         self.ops = layer_ops(dtype)
-        # Every layer in one call (decoder_layer.cpp) where every matrix is on the AMX kernel
-        # and needs no padding, as amx.linear would add. Off: the same kernels one by one.
+        # Every layer in one call (decoder_layer.cpp) where every matrix is on this machine's
+        # kernel and needs no padding, as amx.linear would add. Off: the same kernels one by one.
         self.layer_in_one_call = self.ops is FusedOps and all(
-            l.backend == "amx" and l.in_features % amx.STEP == 0 for layer in self.layers for l in layer.matrices)
+            l.backend in amx.KINDS and not amx.needs_padding(l.in_features) for layer in self.layers for l in layer.matrices)
         self._stack = self._stack_arguments() if self.layer_in_one_call else None  # made once
         self._inv_freq = rope_inv_freq(c)
         self._cos = self._sin = torch.empty(0, c.head_dim)
