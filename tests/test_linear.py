@@ -53,6 +53,20 @@ def test_kernel_rows_do_not_depend_on_the_row_count(shape):
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
 
 
+@pytest.mark.skipif(not amx.cpu_has("avx2") or amx.kernel_kind() == "avx2",
+                    reason="no AVX2, or the tests above already run the AVX2 build")
+def test_avx2_build_on_a_cpu_that_runs_the_amx_build():
+    """The AVX2 build stays compiled and exact where CI runs the AMX one (a minute's build)."""
+    module = amx._build("avx2")
+    w, b = weights(130, 100, seed=4)
+    packed = amx._pack_avx2(w)
+    x = torch.randn(20, 100).bfloat16()
+    together = module.linear(x, packed, b, 130)
+    torch.testing.assert_close(together.float(), F.linear(x.float(), w.float(), b.float()), rtol=2**-8, atol=1e-3)
+    for rows in (1, 2, 3, 11):
+        assert torch.equal(module.linear(x[:rows].contiguous(), packed, b, 130), together[:rows]), rows
+
+
 @needs_onednn_bf16
 def test_without_the_kernel_bf16_weights_go_to_onednn(monkeypatch):
     monkeypatch.setattr(amx, "kernel", lambda: None)
