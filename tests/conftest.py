@@ -28,9 +28,9 @@ def bf16_path(request, monkeypatch):
     """Run a bf16 test on this machine's own kernels, then as a CPU without AVX-512 runs it
     (AMD Zen 3, say): no AMX kernel, no oneDNN packing, torch's ops and F.linear."""
     if request.param == "AVX2-only":
-        from specdecode.models import amx, linear
+        from specdecode.models import kernels, linear
 
-        monkeypatch.setattr(amx, "kernel", lambda: None)
+        monkeypatch.setattr(kernels, "kernel", lambda: None)
         monkeypatch.setattr(linear, "onednn_packs_bf16", lambda: False)
     return request.param
 

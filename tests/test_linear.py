@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdecode.models import amx
+from specdecode.models import kernels
 from specdecode.models import linear
 from specdecode.models.linear import Linear
 
-needs_kernel = pytest.mark.skipif(amx.kernel() is None, reason="no kernel (AMX or AVX2) on this machine")
+needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="no kernel (AMX or AVX2) on this machine")
 needs_onednn_bf16 = pytest.mark.skipif(not linear.onednn_packs_bf16(), reason="oneDNN cannot pack bf16 on this CPU")
 
 
@@ -31,7 +31,7 @@ def weights(out_features: int, in_features: int, seed: int, bias: bool = True):
 def test_kernel_product_matches_fp32_reference_within_bf16_rounding(shape):
     w, b = weights(*shape, seed=0)
     layer = Linear(w, b)
-    assert layer.backend == amx.kernel_kind()
+    assert layer.backend == kernels.kernel_kind()
     x = torch.randn(3, 5, shape[1]).bfloat16()
     got = layer(x)
     want = F.linear(x.float(), w.float(), b.float())  # exact up to fp32 sums
@@ -53,13 +53,13 @@ def test_kernel_rows_do_not_depend_on_the_row_count(shape):
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
 
 
-@pytest.mark.skipif(not amx.cpu_has("avx2") or amx.kernel_kind() == "avx2",
+@pytest.mark.skipif(not kernels.cpu_has("avx2") or kernels.kernel_kind() == "avx2",
                     reason="no AVX2, or the tests above already run the AVX2 build")
 def test_avx2_build_on_a_cpu_that_runs_the_amx_build():
     """The AVX2 build stays compiled and exact where CI runs the AMX one (a minute's build)."""
-    module = amx._build("avx2")
+    module = kernels._build("avx2")
     w, b = weights(130, 100, seed=4)
-    packed = amx._pack_avx2(w)
+    packed = kernels._pack_avx2(w)
     x = torch.randn(20, 100).bfloat16()
     together = module.linear(x, packed, b, 130)
     torch.testing.assert_close(together.float(), F.linear(x.float(), w.float(), b.float()), rtol=2**-8, atol=1e-3)
@@ -69,7 +69,7 @@ def test_avx2_build_on_a_cpu_that_runs_the_amx_build():
 
 @needs_onednn_bf16
 def test_without_the_kernel_bf16_weights_go_to_onednn(monkeypatch):
-    monkeypatch.setattr(amx, "kernel", lambda: None)
+    monkeypatch.setattr(kernels, "kernel", lambda: None)
     w, b = weights(96, 64, seed=2)
     layer = Linear(w, b)
     assert layer.backend == "onednn"
@@ -81,7 +81,7 @@ def test_without_the_kernel_bf16_weights_go_to_onednn(monkeypatch):
 def test_without_a_kernel_where_onednn_cannot_pack_bf16_weights_go_to_f_linear(monkeypatch):
     """An AVX2-only CPU (AMD Zen 3) where the kernel did not build: oneDNN refuses to
     reorder bf16, F.linear still runs."""
-    monkeypatch.setattr(amx, "kernel", lambda: None)
+    monkeypatch.setattr(kernels, "kernel", lambda: None)
     monkeypatch.setattr(linear, "onednn_packs_bf16", lambda: False)
     w, b = weights(96, 64, seed=3)
     layer = Linear(w, b)
@@ -93,11 +93,11 @@ def test_without_a_kernel_where_onednn_cannot_pack_bf16_weights_go_to_f_linear(m
 def test_an_unknown_kernel_choice_is_refused(monkeypatch):
     from specdecode.errors import SpecDecodeError
 
-    monkeypatch.setenv(amx.KERNEL_ENV, "fast")
-    amx.kernel.cache_clear()
+    monkeypatch.setenv(kernels.KERNEL_ENV, "fast")
+    kernels.kernel.cache_clear()
     try:
         with pytest.raises(SpecDecodeError, match="SPECDECODE_KERNEL"):
-            amx.kernel()
+            kernels.kernel()
     finally:
-        monkeypatch.delenv(amx.KERNEL_ENV)
-        amx.kernel.cache_clear()
+        monkeypatch.delenv(kernels.KERNEL_ENV)
+        kernels.kernel.cache_clear()

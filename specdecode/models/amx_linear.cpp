@@ -9,7 +9,7 @@
 // Layout: W (N, K) is packed once into (N/64, K/32, 4, 16, 16, 2): groups of 64 outputs;
 // per step of 32 along K, four 1 KB tiles of 16 pair-rows x 16 outputs x 2 (the VNNI
 // layout TDPBF16PS reads), so each thread streams its groups front to back. Built at first
-// use by models/amx.py.
+// use by models/kernels.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

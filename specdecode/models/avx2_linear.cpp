@@ -10,7 +10,7 @@
 // Layout: W (N, K) is packed once into (N/32, K, 32): blocks of 32 outputs, and for each k
 // the block's 32 weights in one 64-byte line, streamed front to back. Within each half of
 // 16, the weight of output i (0-7) sits at 2i and that of output 8 + i at 2i + 1, so one
-// 256-bit load gives outputs 0-7 by a shift and 8-15 by a mask. amx.py packs it.
+// 256-bit load gives outputs 0-7 by a shift and 8-15 by a mask. kernels.py packs it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

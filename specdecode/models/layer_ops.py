@@ -4,7 +4,7 @@ Both compute transformers' Llama numerics (RMSNorm in fp32, rounded to the model
 before the weight; rotate-half rope and SiLU in the model dtype). The fused ones do each
 step in one call instead of several, which matters on CPU where a decoding step's small
 tensors cost more in dispatch than in arithmetic. They are used for bf16 when the
-extension is built (amx.py); fp32 stays on torch, where plain decoding is tested to
+extension is built (kernels.py); fp32 stays on torch, where plain decoding is tested to
 equal transformers' `generate` token for token. The fused set also has the layer's
 attention over the cache (attention.cpp), which torch's ops leave to native.py.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import amx
+from . import kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,17 +67,17 @@ class FusedOps:
 
     @staticmethod
     def rms_norm(x, weight, eps):
-        return amx.kernel().rms_norm(x.contiguous(), weight, eps)
+        return kernels.kernel().rms_norm(x.contiguous(), weight, eps)
 
     @staticmethod
     def add_rms_norm(x, delta, weight, eps):
-        return tuple(amx.kernel().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps))
+        return tuple(kernels.kernel().add_rms_norm(x.contiguous(), delta.contiguous(), weight, eps))
 
     @staticmethod
     def rope(qkv, cos, sin, num_heads, num_kv_heads, head_dim):
         """The fused qkv product with q and k rotated, unsplit: (B, T, (nh + 2 nkv) hd)."""
         table = (lambda t: t if t.dim() == 3 else t[None])
-        return amx.kernel().rope_qkv(qkv.contiguous(), table(cos).contiguous(), table(sin).contiguous(),
+        return kernels.kernel().rope_qkv(qkv.contiguous(), table(cos).contiguous(), table(sin).contiguous(),
                                      num_heads + num_kv_heads, head_dim)
 
     @staticmethod
@@ -90,14 +90,14 @@ class FusedOps:
         """Write the new keys and values at slots start, ... of one layer's cache buffers
         (B, nkv, max_len, hd) and attend there (attention.cpp): (B, T, nh hd), each row over
         the slots `allowed` (B or 1, T, start + T) lets it see (None: causal by slot)."""
-        return amx.kernel().cache_attention(roped_qkv, keys, values, start, _CAUSAL if allowed is None else allowed,
+        return kernels.kernel().cache_attention(roped_qkv, keys, values, start, _CAUSAL if allowed is None else allowed,
                                             num_heads, num_kv_heads)
 
     @staticmethod
     def silu_mul(gate_up):
-        return amx.kernel().silu_mul(gate_up.contiguous())
+        return kernels.kernel().silu_mul(gate_up.contiguous())
 
 
 def layer_ops(dtype: torch.dtype):
     """The fused ops for bf16 where the extension is built, else torch's."""
-    return FusedOps if dtype == torch.bfloat16 and amx.kernel() is not None else TorchOps
+    return FusedOps if dtype == torch.bfloat16 and kernels.kernel() is not None else TorchOps

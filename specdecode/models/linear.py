@@ -1,6 +1,6 @@
 """A linear layer that streams bf16 weights at memory speed on CPU.
 
-bf16 weights go through the project's kernel for this CPU (amx.py): on AMX it streams at
+bf16 weights go through the project's kernel for this CPU (kernels.py): on AMX it streams at
 about 25 GB/s on the machine measured below; on AVX2-only CPUs (AMD Zen 3) the AVX2
 kernel. Both compute every row alike for any number of rows. Where neither is built, they
 are packed for oneDNN, as measured below, or, where oneDNN refuses bf16, go to F.linear.
@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import amx
+from . import kernels
 
 
 @functools.cache
@@ -60,11 +60,11 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.weight_bytes = weight.numel() * weight.element_size()
-        kernel = amx.kernel_kind() if pack and _is_cpu_bf16(weight) else None
+        kernel = kernels.kernel_kind() if pack and _is_cpu_bf16(weight) else None
         self.packed = kernel is not None or (pack and _is_cpu_bf16(weight) and onednn_packs_bf16())
         self.backend = kernel or ("onednn" if self.packed else "torch")
         if kernel is not None:
-            self.weight = amx.pack(weight)
+            self.weight = kernels.pack(weight)
             return
         # The reorder takes a batch-size hint. With hint 1, a row's product is bit-identical
         # whether the call has 1 or up to 11 rows (measured on every shape of the models
@@ -76,8 +76,8 @@ class Linear:
         if not self.packed:
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
-        if self.backend in amx.KINDS:  # this machine's kernel
-            return amx.linear(x.reshape(-1, self.in_features), self.weight, self.bias, self.out_features).view(*lead, self.out_features)
+        if self.backend in kernels.KINDS:  # this machine's kernel
+            return kernels.linear(x.reshape(-1, self.in_features), self.weight, self.bias, self.out_features).view(*lead, self.out_features)
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.weight, self.bias, "none", [], "")
         return y.view(*lead, self.out_features)
 

@@ -40,7 +40,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import amx
+from . import kernels
 from .config import ModelConfig
 from .kv_cache import BLOCK, KVCache
 from .layer_ops import FusedOps, TorchOps, layer_ops
@@ -151,9 +151,9 @@ class NativeModel:
         self.lm_head_weight = self.embed if head is None else None
         self.ops = layer_ops(dtype)
         # Every layer in one call (decoder_layer.cpp) where every matrix is on this machine's
-        # kernel and needs no padding, as amx.linear would add. Off: the same kernels one by one.
+        # kernel and needs no padding, as kernels.linear would add. Off: the same kernels one by one.
         self.layer_in_one_call = self.ops is FusedOps and all(
-            l.backend in amx.KINDS and not amx.needs_padding(l.in_features) for layer in self.layers for l in layer.matrices)
+            l.backend in kernels.KINDS and not kernels.needs_padding(l.in_features) for layer in self.layers for l in layer.matrices)
         self._stack = self._stack_arguments() if self.layer_in_one_call else None  # made once
         self._inv_freq = rope_inv_freq(c)
         self._cos = self._sin = torch.empty(0, c.head_dim)
@@ -266,7 +266,7 @@ class NativeModel:
             cos, sin = ((t if t.dim() == 3 else t[None]).contiguous() for t in (cos, sin))
             allowed = FusedOps.causal if attention is None else attention
             keep = sorted(i for i in set(hidden_layers) if 0 < i < c.num_layers)
-            x, h, *kept = amx.kernel().decoder_stack(x, h, cos, sin, cache.keys, cache.values, cache.length,
+            x, h, *kept = kernels.kernel().decoder_stack(x, h, cos, sin, cache.keys, cache.values, cache.length,
                                                      allowed, c.num_heads, c.num_kv_heads, *self._stack, eps, keep)
             hidden.update(zip(keep, kept))
         else:

@@ -1,5 +1,5 @@
 // The rotary embedding of a fused qkv product, in plain C++: the AMX and the AVX2 builds
-// (amx.py) both compile it, since it needs no vector instructions to keep up.
+// (kernels.py) both compile it, since it needs no vector instructions to keep up.
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 
