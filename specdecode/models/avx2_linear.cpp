@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "avx2_math.h"
+#include "kernels.h"
 
 namespace {
 
@@ -96,23 +97,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
   });
   return y;
 }
-
-// avx2_ops.cpp, rope.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
-torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated, int64_t hd);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-// avx2_attention.cpp
-torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values, int64_t start,
-                              torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads);
-// decoder_layer.cpp
-std::vector<torch::Tensor> decoder_stack(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
-                                         torch::Tensor keys, torch::Tensor values, int64_t start,
-                                         torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
-                                         std::vector<torch::Tensor> weights,
-                                         std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
-                                         std::vector<torch::Tensor> mlp_norms, std::vector<torch::Tensor> next_norms,
-                                         double eps, std::vector<int64_t> keep);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear);

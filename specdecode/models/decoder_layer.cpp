@@ -7,13 +7,7 @@
 // tensors, so the result is bitwise the step-by-step one.
 #include <torch/extension.h>
 
-// amx_linear.cpp, cpu_ops.cpp, attention.cpp
-torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t N);
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
-torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated, int64_t hd);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values, int64_t start,
-                              torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads);
+#include "kernels.h"
 
 namespace {
 

@@ -42,8 +42,8 @@ SOURCES = {
                                  "decoder_layer.cpp")],
 }
 HEADERS = {  # part of the build's key, not compiled alone
-    "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h"],
-    "avx2": [_HERE / "avx2_math.h", _HERE / "attention_host.h"],
+    "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h"],
+    "avx2": [_HERE / "avx2_math.h", _HERE / "attention_host.h", _HERE / "kernels.h"],
 }
 FLAGS = {
     "amx": ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
