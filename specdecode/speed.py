@@ -2,11 +2,15 @@
 
 Both run greedy decoding of the same prompt to the same forced length, in the same
 dtype and process, interleaved (native, transformers, native, ...) after a warm-up; the
-median of the repeats is reported (../shared/benchmark.md). Beside them stands the
-physical limit: the weight bytes one decoding step must stream, divided by the memory
-read bandwidth measured in this run: the best of two streaming reads (a sum and an fp32
-matrix-vector product) of a buffer four times the size of the last-level cache, on
-ordinary and on huge pages.
+median of the repeats is reported (../shared/benchmark.md).
+
+Tokens/s is the decoding rate: the tokens after the first over the time after the first,
+so the prompt's prefill (one pass over every prompt token, which yields the first token)
+is timed apart, as `prefill_s`. The end-to-end rate, prefill included, is reported too.
+Beside them stands the physical limit of a decoding step: the weight bytes one step must
+stream, divided by the memory read bandwidth measured in this run: the best of two
+streaming reads (a sum and an fp32 matrix-vector product) of a buffer four times the size
+of the last-level cache, on ordinary and on huge pages.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import time
 import torch
 
 from .engine import decode
-from .events import collect
+from .errors import SpecDecodeError
+from .events import Done
 from .models.huge_pages import on_huge_pages
 from .models.load import load, parse_dtype
 from .prompts import encode_prompt
@@ -57,30 +62,71 @@ def _fastest_read(matrix: torch.Tensor, vector: torch.Tensor, repeats: int) -> f
     return best
 
 
-def _time_native(model, prompt_ids: list[int], new_tokens: int) -> float:
+class Timing:
+    """One generation: seconds from the call to the first new token, and after it."""
+
+    def __init__(self, prefill_s: float, decode_s: float, new_tokens: int):
+        self.prefill_s, self.decode_s, self.new_tokens = prefill_s, decode_s, new_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The decoding rate: the tokens after the first over the time after the first."""
+        return (self.new_tokens - 1) / self.decode_s
+
+    @property
+    def end_to_end_tokens_per_s(self) -> float:
+        return self.new_tokens / (self.prefill_s + self.decode_s)
+
+
+def _time_native(model, prompt_ids: list[int], new_tokens: int) -> Timing:
     stop = StopCondition(max_new_tokens=new_tokens)  # no EOS: force the length
+    count, first_at = 0, None
     t = time.perf_counter()
-    tokens, _ = collect(decode(model, prompt_ids, stop))
-    elapsed = time.perf_counter() - t
-    assert len(tokens) == new_tokens, (len(tokens), new_tokens)
-    return elapsed
+    for event in decode(model, prompt_ids, stop):
+        if isinstance(event, Done):
+            break
+        count += len(event.token_ids)
+        if first_at is None:  # the prefill's round: the first token
+            first_at = time.perf_counter()
+    end = time.perf_counter()
+    assert count == new_tokens, (count, new_tokens)
+    return Timing(first_at - t, end - first_at, new_tokens)
 
 
-def _time_transformers(hf_model, prompt_ids: list[int], new_tokens: int) -> float:
+class _FirstTokenClock:
+    """A `generate` streamer that notes when the first new token comes: its first `put`
+    is the prompt, its second the first new token."""
+
+    def __init__(self):
+        self.puts, self.first_at = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _time_transformers(hf_model, prompt_ids: list[int], new_tokens: int) -> Timing:
     ids = torch.tensor([prompt_ids])
+    clock = _FirstTokenClock()
     t = time.perf_counter()
     with torch.inference_mode():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    elapsed = time.perf_counter() - t
-    assert out.shape[1] - ids.shape[1] == new_tokens
-    return elapsed
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
+    end = time.perf_counter()
+    assert out.shape[1] - ids.shape[1] == new_tokens and clock.first_at is not None
+    return Timing(clock.first_at - t, end - clock.first_at, new_tokens)
 
 
 def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repeats: int = 3,
-              log=print) -> dict:
+              log=print, bandwidth_megabytes: int = 2048) -> dict:
     from transformers import AutoModelForCausalLM
 
+    if new_tokens < 2 or repeats < 1:
+        raise SpecDecodeError(f"speed needs --new-tokens >= 2 and --repeats >= 1, got {new_tokens} and {repeats}")
     torch_dtype = parse_dtype(dtype)
     model, tokenizer, info = load(target, torch_dtype, backend="native")
     log(f"loading transformers' model from {info.folder}")
@@ -90,15 +136,18 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
     log("warming up")
     _time_native(model, prompt_ids, 4)
     _time_transformers(hf_model, prompt_ids, 4)
-    native_s, hf_s = [], []
+    native, hf = [], []
     for r in range(repeats):
-        native_s.append(_time_native(model, prompt_ids, new_tokens))
-        hf_s.append(_time_transformers(hf_model, prompt_ids, new_tokens))
-        log(f"repeat {r + 1}/{repeats}: native {new_tokens / native_s[-1]:.2f} tok/s, "
-            f"transformers {new_tokens / hf_s[-1]:.2f} tok/s")
-    bandwidth = measure_bandwidth()
-    native_tps = new_tokens / statistics.median(native_s)
-    hf_tps = new_tokens / statistics.median(hf_s)
+        native.append(_time_native(model, prompt_ids, new_tokens))
+        hf.append(_time_transformers(hf_model, prompt_ids, new_tokens))
+        log(f"repeat {r + 1}/{repeats}: native {native[-1].tokens_per_s:.2f} tok/s, "
+            f"transformers {hf[-1].tokens_per_s:.2f} tok/s")
+    bandwidth = measure_bandwidth(bandwidth_megabytes)
+
+    def median(timings: list[Timing], rate: str) -> float:
+        return statistics.median(getattr(t, rate) for t in timings)
+
+    native_tps, hf_tps = median(native, "tokens_per_s"), median(hf, "tokens_per_s")
     limit_tps = bandwidth / model.weight_bytes_per_token
     return {
         "target": target,
@@ -109,6 +158,10 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
         "native_tokens_per_s": round(native_tps, 3),
         "transformers_tokens_per_s": round(hf_tps, 3),
         "ratio": round(native_tps / hf_tps, 3),
+        "native_prefill_s": round(statistics.median(t.prefill_s for t in native), 4),
+        "transformers_prefill_s": round(statistics.median(t.prefill_s for t in hf), 4),
+        "native_end_to_end_tokens_per_s": round(median(native, "end_to_end_tokens_per_s"), 3),
+        "transformers_end_to_end_tokens_per_s": round(median(hf, "end_to_end_tokens_per_s"), 3),
         "weight_bytes_per_token": model.weight_bytes_per_token,
         "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
         "limit_tokens_per_s": round(limit_tps, 3),
@@ -123,8 +176,11 @@ def format_speed(r: dict) -> str:
     return "\n".join([
         f"target {r['target']}, {r['dtype']}, {r['new_tokens']} new tokens, median of {r['repeats']}, "
         f"{r['threads']} threads",
-        f"  native        {r['native_tokens_per_s']:8.2f} tok/s",
-        f"  transformers  {r['transformers_tokens_per_s']:8.2f} tok/s",
+        f"  decoding, after the first token (the prompt's prefill timed apart):",
+        f"  native        {r['native_tokens_per_s']:8.2f} tok/s   prefill {r['native_prefill_s']:.2f} s, "
+        f"end to end {r['native_end_to_end_tokens_per_s']:.2f} tok/s",
+        f"  transformers  {r['transformers_tokens_per_s']:8.2f} tok/s   prefill {r['transformers_prefill_s']:.2f} s, "
+        f"end to end {r['transformers_end_to_end_tokens_per_s']:.2f} tok/s",
         f"  ratio         {r['ratio']:8.2f}x",
         f"  limit         {r['limit_tokens_per_s']:8.2f} tok/s  ({r['weight_bytes_per_token'] / 1e9:.2f} GB per step "
         f"at {r['bandwidth_gb_per_s']:.1f} GB/s measured)",
