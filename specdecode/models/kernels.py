@@ -9,7 +9,7 @@ Both add the rotary embedding (rope.cpp) and every layer of a pass in one call
 (decoder_layer.cpp).
 
 `kernel()` returns the compiled module, or None where none can run (no AVX2, no compiler)
-so that `Linear` falls back to oneDNN or F.linear. The build (about a minute) goes to
+so that `Linear` falls back to oneDNN or F.linear. The build (1-3 minutes) goes to
 $SPECDECODE_HOME/kernels/, keyed by the sources and torch version, and is reused after.
 SPECDECODE_KERNEL=onednn turns the kernels off; =amx or =avx2 picks that build and makes
 its absence an error (=avx2 runs the AVX2 build on an AMX CPU too).
@@ -51,7 +51,7 @@ FLAGS = {
 }
 GROUP, STEP = 64, 32  # AMX: outputs per packed group, K per tile step (see amx_linear.cpp)
 BLOCK = 32  # AVX2: outputs per packed block (see avx2_linear.cpp)
-STALE_LOCK_S = 600  # a build takes about a minute; a lock this old belongs to a dead process
+STALE_LOCK_S = 600  # a build takes 1-3 minutes; a lock this old belongs to a dead process
 
 
 REQUIRED_FLAGS = {"amx": ("amx_bf16", "amx_tile"), "avx2": ("avx2", "fma")}
@@ -123,7 +123,8 @@ def _build(kind: str):
         lock.unlink(missing_ok=True)
     name = f"specdecode_{kind}"
     if not (build_dir / f"{name}.so").exists():
-        print(f"building the {kind} bf16 kernels (once per machine, about a minute)...", file=sys.stderr, flush=True)
+        print(f"building the {kind} bf16 kernels (once per machine, one to three minutes)...", file=sys.stderr,
+              flush=True)
     return load(
         name=name,
         sources=[str(p) for p in SOURCES[kind]],
