@@ -87,7 +87,7 @@ class HFModel:
         out = self.model(
             input_ids=tokens,
             position_ids=positions.expand(B, T),
-            past_key_values=cache.inner,
+            cache=cache.inner,  # transformers 5.24 renamed past_key_values (removed in 5.40)
             use_cache=True,
             output_hidden_states=bool(hidden_layers),
             logits_to_keep=num_logits or 0,
