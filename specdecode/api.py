@@ -14,13 +14,16 @@ Loaded models are kept for the life of the process, keyed by (source, dtype, bac
 from __future__ import annotations
 
 import functools
+import sys
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
 from .adaptive import AdaptiveK, CostModel, TreeGate
-from . import draft_vocab, eagle, medusa
+from . import draft_vocab, eagle, machine, medusa
 from .drafters import DraftModel, PromptLookup, check_same_tokenizer
 from .drafters.draft_tree import DraftTree
 from .drafters.eagle import EagleDrafter
@@ -133,12 +136,31 @@ def make_medusa(target: Model, heads: str | None = None) -> MedusaDrafter:
     """Medusa heads from a folder, or the ones trained (or shipped) for this target."""
     folder = heads or medusa.find(target.info.source, target.info.folder)
     trained, config = medusa.load(folder)
+    if _refit_here("Medusa heads' tree", config.training.get("fitted_on"), heads, "medusa"):
+        from .training.reshape import refit_medusa
+
+        trained, config = medusa.load(refit_medusa(target, Path(folder), log=lambda _: None))
     if config.target_sha256 and target.info.sha256 and config.target_sha256 != target.info.sha256:
         raise SpecDecodeError(f"the heads in {folder} were trained on {config.target} "
                               f"(sha256 {config.target_sha256[:12]}), not on this target")
     paths = [tuple(p) for p in config.tree]
     gate = tree_gate(expected_tokens_of_tree(paths, config.accuracy), config.training.get("expected_speedup"))
     return MedusaDrafter(target.model, trained, paths, draft_vocab.for_target(target, trained.draft_vocab), gate)
+
+
+def _refit_here(what: str, fitted_on: dict | None, given: str | None, kind: str) -> bool:
+    """Whether a tree drafter found for the target must be fitted to this machine first
+    (machine.py): once, into the target's folder, where it is found the next time. One the
+    user named by path is not rewritten: a warning says how to refit it."""
+    if not machine.fitted_elsewhere(fitted_on):
+        return False
+    if given is not None:
+        warnings.warn(f"the {what} in {given} was fitted on another machine ({machine.describe(fitted_on)}); "
+                      f"`specdecode train {kind} --reshape-only --from {given}` fits it to this one", stacklevel=3)
+        return False
+    print(f"fitting the {what} to this machine (once, under a minute; it was fitted on "
+          f"{machine.describe(fitted_on)})...", file=sys.stderr, flush=True)
+    return True
 
 
 def tree_gate(expected_tokens: float | None, expected_speedup: float | None) -> TreeGate | None:
@@ -168,6 +190,8 @@ def plan(target: Model, drafter: str | None, draft: str | None, k: int | str | N
         return tuned_drafter(tuned, category, draft_model, name)
     if category is not None:
         raise SpecDecodeError("--category selects a category of a --profile")
+    if k is not None and drafter in ("medusa", "eagle"):  # before their heads load (and maybe refit)
+        raise SpecDecodeError(f"--k does not apply to {drafter}: it verifies a tree chosen from measured acceptance")
     the_drafter = make_drafter(target, drafter, draft, dtype, heads)
     if hasattr(the_drafter, "propose_tree"):
         if k is not None:
@@ -201,6 +225,10 @@ def make_eagle(target: Model, head: str | None = None) -> EagleDrafter:
     """An EAGLE head from a folder, or the one trained (or shipped) for this target."""
     folder = head or eagle.find(target.info.source, target.info.folder)
     trained = eagle.load(folder)
+    if _refit_here("EAGLE head's tree", trained.config.tree.get("fitted_on"), head, "eagle"):
+        from .training.reshape import refit_eagle
+
+        trained = eagle.load(refit_eagle(target, Path(folder), log=lambda _: None))
     sha = trained.config.target_sha256
     if sha and target.info.sha256 and sha != target.info.sha256:
         raise SpecDecodeError(f"the head in {folder} was trained on {trained.config.target}, not on this target")

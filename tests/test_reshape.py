@@ -33,3 +33,40 @@ def test_reshape_eagle_keeps_the_head_and_its_accuracy(tmp_path):
     assert {"depth", "top_k", "num_nodes", "expected_speedup"} <= set(tree) and tree["expected_speedup"] >= 1.0
     for name, tensor in load_file(folder / eagle.WEIGHTS_FILE).items():
         assert torch.equal(tensor, load_file(SHIPPED / "eagle" / eagle.WEIGHTS_FILE)[name]), name
+
+
+def test_fitted_elsewhere_compares_only_what_the_artifact_records(monkeypatch):
+    from specdecode import machine
+
+    monkeypatch.setattr(machine, "fingerprint", lambda: {"cpu": "AMD EPYC", "kernel": "avx2", "threads": 2})
+    assert machine.fitted_elsewhere({"kernel": "amx", "threads": 2})
+    assert machine.fitted_elsewhere({"cpu": "Intel Xeon", "kernel": "avx2", "threads": 2})
+    assert not machine.fitted_elsewhere({"kernel": "avx2", "threads": 2})
+    assert not machine.fitted_elsewhere(None)  # an artifact that does not say is taken as it is
+    assert not machine.fitted_elsewhere({})
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_a_shipped_tree_fitted_on_another_machine_is_fitted_here_once(kind, tmp_path, monkeypatch, capsys):
+    """The shipped SmolLM2 trees record the AMX machine they were fitted on; elsewhere the
+    first use fits them again into the target's folder, and later uses find that one."""
+    import dataclasses
+
+    from specdecode import machine
+    from specdecode.api import Model, load_model, make_eagle, make_medusa
+
+    here = {"cpu": "a test CPU", "kernel": "avx2", "threads": 2}
+    monkeypatch.setattr(machine, "fingerprint", lambda: here)
+    loaded = load_model("smollm2-135m-instruct")
+    target = Model(loaded.model, loaded.tokenizer, dataclasses.replace(loaded.info, folder=tmp_path))
+    make = make_eagle if kind == "eagle" else make_medusa
+    shipped = json.loads((SHIPPED / kind / f"{kind}.json").read_text())
+    assert machine.fitted_elsewhere((shipped["tree"] if kind == "eagle" else shipped["training"])["fitted_on"])
+
+    make(target)
+    assert capsys.readouterr().err.count("fitting the") == 1
+    refitted = json.loads((tmp_path / kind / f"{kind}.json").read_text())
+    assert (refitted["tree"] if kind == "eagle" else refitted["training"])["fitted_on"] == here
+    make(target)  # found beside the target now, fitted here: not again
+    assert "fitting the" not in capsys.readouterr().err

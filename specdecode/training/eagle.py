@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .. import eagle
 from ..draft_vocab import DraftVocab, lm_head_weight
+from .. import machine
 from ..tree_shapes import choose_tree, expected_tokens_of_tree
 from .loop import Checkpoint, reduced_vocabulary, run_steps
 from .features import Features
@@ -312,7 +313,8 @@ def shape_for(model, head, vocab: DraftVocab, accuracy, log=print) -> dict:
     shape = choose_shape(accuracy, costs.verify_ratios, costs.draft_ratio, max_nodes, leaf_ratio)
     log(f"accuracy by depth (top-1) {[a[0] for a in accuracy]}; tree: depth {shape['depth']}, "
         f"top-{shape['top_k']}, {shape['num_nodes']} nodes, expected {shape['expected_speedup']:.2f}x")
-    return shape | {"accuracy": accuracy, "head_step_ratio": round(costs.draft_ratio, 4)}
+    return shape | {"accuracy": accuracy, "head_step_ratio": round(costs.draft_ratio, 4),
+                    "fitted_on": machine.fingerprint()}
 
 
 def _time_head_step(model, head, vocab: DraftVocab, rows: int = 3, repeats: int = 5) -> float:

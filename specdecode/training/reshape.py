@@ -4,8 +4,10 @@ A tree's best shape depends on the machine as much as on the heads: the verify c
 the head's step and each extra path's attention call are measured where it runs, while
 the heads' held-out accuracy by depth and rank is stored in the artifact at training.
 Heads trained on another machine (the shipped SmolLM2 ones) or before a kernel change
-get a shape fitted to this one in a minute, without training. The artifact is written
-beside the target's cached weights (or to --out), where it is found before a shipped one.
+get a shape fitted to this one in a minute, without training: by this command, or on
+first use where the artifact records another machine (machine.py, api._refit_here). The
+artifact is written beside the target's cached weights (or to --out), where it is found
+before a shipped one.
 """
 
 from __future__ import annotations
@@ -13,31 +15,45 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import draft_vocab, eagle, medusa
+from .. import machine
 
 
 def reshape_medusa(target_name: str, heads: str | Path | None = None, out: str | Path | None = None,
                    log=print) -> Path:
     from ..api import load_model
-    from .medusa import pick_tree
 
     target = load_model(target_name)
-    folder = Path(heads) if heads else medusa.find(target_name, target.info.folder)
+    return refit_medusa(target, Path(heads) if heads else medusa.find(target_name, target.info.folder), out, log)
+
+
+def refit_medusa(target, folder: Path, out: str | Path | None = None, log=print) -> Path:
+    """The heads in `folder` with a tree chosen for this machine, saved to `out` (default:
+    beside the target's weights); `target` is a loaded api.Model."""
+    from .medusa import pick_tree
+
     trained, config = medusa.load(folder)
     log(f"heads from {folder}: top-1 accuracy by head {[a[0] for a in config.accuracy]}")
     vocab = draft_vocab.for_target(target, trained.draft_vocab)
     paths, speedup = pick_tree(target.model, trained, vocab, config.accuracy, log)
     config.tree = [list(p) for p in paths]
-    config.training = config.training | {"expected_speedup": round(speedup, 3)}
+    config.training = config.training | {"expected_speedup": round(speedup, 3),
+                                         "fitted_on": machine.fingerprint()}
     return medusa.save(Path(out) if out else medusa.default_dir(target.info.folder), trained, config)
 
 
 def reshape_eagle(target_name: str, head: str | Path | None = None, out: str | Path | None = None,
                   log=print) -> Path:
     from ..api import load_model
-    from .eagle import shape_for
 
     target = load_model(target_name)
-    folder = Path(head) if head else eagle.find(target_name, target.info.folder)
+    return refit_eagle(target, Path(head) if head else eagle.find(target_name, target.info.folder), out, log)
+
+
+def refit_eagle(target, folder: Path, out: str | Path | None = None, log=print) -> Path:
+    """The head in `folder` with a tree shape chosen for this machine, saved to `out`
+    (default: beside the target's weights); `target` is a loaded api.Model."""
+    from .eagle import shape_for
+
     trained = eagle.load(folder)
     accuracy = trained.config.tree.get("accuracy")
     if not accuracy:
