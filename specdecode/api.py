@@ -136,31 +136,39 @@ def make_medusa(target: Model, heads: str | None = None) -> MedusaDrafter:
     """Medusa heads from a folder, or the ones trained (or shipped) for this target."""
     folder = heads or medusa.find(target.info.source, target.info.folder)
     trained, config = medusa.load(folder)
-    if _refit_here("Medusa heads' tree", config.training.get("fitted_on"), heads, "medusa"):
-        from .training.reshape import refit_medusa
-
-        trained, config = medusa.load(refit_medusa(target, Path(folder), log=lambda _: None))
     if config.target_sha256 and target.info.sha256 and config.target_sha256 != target.info.sha256:
         raise SpecDecodeError(f"the heads in {folder} were trained on {config.target} "
                               f"(sha256 {config.target_sha256[:12]}), not on this target")
+    refitted = _fit_to_machine("Medusa heads' tree", "medusa", config.training.get("fitted_on"), heads,
+                               lambda reshape: reshape.refit_medusa(target, Path(folder), log=lambda _: None))
+    if refitted is not None:
+        trained, config = medusa.load(refitted)
     paths = [tuple(p) for p in config.tree]
     gate = tree_gate(expected_tokens_of_tree(paths, config.accuracy), config.training.get("expected_speedup"))
     return MedusaDrafter(target.model, trained, paths, draft_vocab.for_target(target, trained.draft_vocab), gate)
 
 
-def _refit_here(what: str, fitted_on: dict | None, given: str | None, kind: str) -> bool:
-    """Whether a tree drafter found for the target must be fitted to this machine first
-    (machine.py): once, into the target's folder, where it is found the next time. One the
-    user named by path is not rewritten: a warning says how to refit it."""
+def _fit_to_machine(what: str, kind: str, fitted_on: dict | None, given: str | None, refit) -> Path | None:
+    """The folder of a tree drafter found for the target, fitted again to this machine
+    (machine.py) because its shape was fitted on another: once, into the target's folder,
+    where it is found the next time. None where it stays as it is: fitted here, or named by
+    the user's path (a warning says how to refit it), or where the refit cannot be saved.
+    refit(reshape module) does the fitting and returns the folder."""
     if not machine.fitted_elsewhere(fitted_on):
-        return False
+        return None
     if given is not None:
         warnings.warn(f"the {what} in {given} was fitted on another machine ({machine.describe(fitted_on)}); "
                       f"`specdecode train {kind} --reshape-only --from {given}` fits it to this one", stacklevel=3)
-        return False
+        return None
     print(f"fitting the {what} to this machine (once, under a minute; it was fitted on "
           f"{machine.describe(fitted_on)})...", file=sys.stderr, flush=True)
-    return True
+    from .training import reshape
+
+    try:
+        return refit(reshape)
+    except OSError as e:  # a target folder we may not write to
+        warnings.warn(f"the {what} fitted to this machine could not be saved ({e}); it runs as fitted", stacklevel=3)
+        return None
 
 
 def tree_gate(expected_tokens: float | None, expected_speedup: float | None) -> TreeGate | None:
@@ -225,13 +233,13 @@ def make_eagle(target: Model, head: str | None = None) -> EagleDrafter:
     """An EAGLE head from a folder, or the one trained (or shipped) for this target."""
     folder = head or eagle.find(target.info.source, target.info.folder)
     trained = eagle.load(folder)
-    if _refit_here("EAGLE head's tree", trained.config.tree.get("fitted_on"), head, "eagle"):
-        from .training.reshape import refit_eagle
-
-        trained = eagle.load(refit_eagle(target, Path(folder), log=lambda _: None))
     sha = trained.config.target_sha256
     if sha and target.info.sha256 and sha != target.info.sha256:
         raise SpecDecodeError(f"the head in {folder} was trained on {trained.config.target}, not on this target")
+    refitted = _fit_to_machine("EAGLE head's tree", "eagle", trained.config.tree.get("fitted_on"), head,
+                               lambda reshape: reshape.refit_eagle(target, Path(folder), log=lambda _: None))
+    if refitted is not None:
+        trained = eagle.load(refitted)
     shape = trained.config.tree  # chosen when training from measured acceptance and costs
     return EagleDrafter(target.model, trained, **{k: shape[k] for k in ("depth", "top_k", "num_nodes") if k in shape},
                         vocab=draft_vocab.for_target(target, trained.draft_vocab),

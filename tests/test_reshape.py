@@ -70,3 +70,16 @@ def test_a_shipped_tree_fitted_on_another_machine_is_fitted_here_once(kind, tmp_
     assert (refitted["tree"] if kind == "eagle" else refitted["training"])["fitted_on"] == here
     make(target)  # found beside the target now, fitted here: not again
     assert "fitting the" not in capsys.readouterr().err
+
+
+@pytest.mark.real
+def test_a_head_named_by_path_is_not_rewritten_but_warned_of(monkeypatch, capsys):
+    from specdecode import machine
+    from specdecode.api import load_model, make_eagle
+
+    monkeypatch.setattr(machine, "fingerprint", lambda: {"cpu": "a test CPU", "kernel": "avx2", "threads": 2})
+    with pytest.warns(UserWarning, match="fitted on another machine.*--reshape-only --from"):
+        drafter = make_eagle(load_model("smollm2-135m-instruct"), str(SHIPPED / "eagle"))
+    assert "fitting the" not in capsys.readouterr().err
+    shipped = json.loads((SHIPPED / "eagle" / eagle.CONFIG_FILE).read_text())["tree"]
+    assert drafter.depth == shipped["depth"]  # the shipped shape, as it is
