@@ -18,6 +18,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -62,11 +63,13 @@ def _fastest_read(matrix: torch.Tensor, vector: torch.Tensor, repeats: int) -> f
     return best
 
 
+@dataclass(frozen=True)
 class Timing:
     """One generation: seconds from the call to the first new token, and after it."""
 
-    def __init__(self, prefill_s: float, decode_s: float, new_tokens: int):
-        self.prefill_s, self.decode_s, self.new_tokens = prefill_s, decode_s, new_tokens
+    prefill_s: float
+    decode_s: float
+    new_tokens: int
 
     @property
     def tokens_per_s(self) -> float:

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "avx2_math.h"
+#include "kernels.h"
 
 using bf16 = c10::BFloat16;
 
@@ -24,10 +25,6 @@ inline void rms_row(const bf16* x, const bf16* w, bf16* y, int64_t H, float eps)
     const __m256 normed = avx2::round_bf16(_mm256_mul_ps(avx2::load_bf16(x + j, H - j), _mm256_set1_ps(inv)));
     avx2::store_bf16(y + j, _mm256_mul_ps(avx2::load_bf16(w + j, H - j), normed), H - j);
   }
-}
-
-void check_bf16(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.is_contiguous(), name, ": contiguous bf16 expected");
 }
 
 }  // namespace

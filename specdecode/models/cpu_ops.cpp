@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "simd_math.h"
+#include "kernels.h"
 
 using bf16 = c10::BFloat16;
 
@@ -31,10 +32,6 @@ inline void rms_row(const bf16* x, const bf16* w, bf16* y, int64_t H, float eps)
     const __m512 normed = simd::round_bf16(_mm512_mul_ps(simd::load_bf16(x + j, live), _mm512_set1_ps(inv)));
     simd::store_bf16(y + j, _mm512_mul_ps(simd::load_bf16(w + j, live), normed), live);
   }
-}
-
-void check_bf16(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.is_contiguous(), name, ": contiguous bf16 expected");
 }
 
 }  // namespace

@@ -3,15 +3,13 @@
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 
+#include "kernels.h"
+
 using bf16 = c10::BFloat16;
 
 namespace {
 
 inline float round_bf16(float v) { return static_cast<float>(bf16(v)); }
-
-void check_bf16(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.is_contiguous(), name, ": contiguous bf16 expected");
-}
 
 }  // namespace
 
