@@ -272,6 +272,9 @@ def add_train(sub) -> None:
     e = kinds.add_parser("eagle", help="an EAGLE head: one decoder layer predicting the target's next feature")
     e.add_argument("--intermediate-size", type=int,
                    help="width of the head's MLP (default: the target's); narrower drafts faster")
+    e.add_argument("--feature-layers", type=_layer_list, default=(),
+                   help="target layers the head reads, fused, as EAGLE-3 does, e.g. 2,15,27 "
+                        "(default: the final layer alone)")
     for kind in (m, e):
         kind.add_argument("--target", default=DEFAULT_TARGET)
         kind.add_argument("--tokens", type=int, default=100_000, help="tokens of standard-library source")
@@ -284,6 +287,13 @@ def add_train(sub) -> None:
         kind.add_argument("--from", dest="source", help="with --reshape-only: the heads' folder (default: the "
                           "ones trained or shipped for the target); eagle without it: a head to continue training")
         kind.set_defaults(func=run_train_cmd)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of layer numbers, not {text!r}") from None
 
 
 def run_train_cmd(args) -> int:
@@ -304,7 +314,8 @@ def run_train_cmd(args) -> int:
         from .training.eagle import run_train_eagle
 
         folder = run_train_eagle(args.target, args.tokens, args.answers, args.answer_tokens, args.epochs,
-                                 args.out, args.intermediate_size, log=log, start=args.source)
+                                 args.out, args.intermediate_size, log=log, start=args.source,
+                                 feature_layers=args.feature_layers)
     print(f"saved {folder}  (use: specdecode generate --target {args.target} --drafter {args.kind})")
     return 0
 

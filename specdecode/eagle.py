@@ -20,6 +20,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,10 @@ class EagleConfig:
     training: dict = field(default_factory=dict)
     # the dynamic tree for this machine: depth, top_k, num_nodes (+ the measurements behind them)
     tree: dict = field(default_factory=dict)
+    # The target layers the head reads. Empty or one: the final normed layer alone (EAGLE-1
+    # and -2). Several: their hidden states fused by a product (EAGLE-3 reads a low, a middle
+    # and a high layer), for the target's positions; drafted positions read the head's own.
+    feature_layers: list[int] = field(default_factory=list)
 
     @property
     def head_dim(self) -> int:
@@ -73,10 +78,11 @@ class HeadCache:
             self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     dtype = x.dtype
     x = x.float()
-    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * weight
+    x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return x if weight is None else x * weight
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -97,21 +103,38 @@ class EagleHead(torch.nn.Module):
         self.gate_up = torch.nn.Linear(H, 2 * config.intermediate_size, bias=False)
         self.down = torch.nn.Linear(config.intermediate_size, H, bias=False)
         self.out_norm = torch.nn.Parameter(torch.ones(H))  # the target's features are normed ones
+        fused = len(config.feature_layers) > 1
+        self.fuse_layers = torch.nn.Linear(len(config.feature_layers) * H, H, bias=False) if fused else None
         self.register_buffer("inv_freq", 1.0 / config.rope_theta ** (torch.arange(0, hd, 2).float() / hd),
                              persistent=False)
         self.draft_vocab: torch.Tensor | None = None  # token ids it drafts from (draft_vocab.py); None: all
         self.products: dict[str, Linear] = {}  # packed copies for drafting (pack_for_drafting)
 
-    PRODUCTS = ("fuse", "qkv", "o", "gate_up", "down")
+    PRODUCTS = ("fuse", "qkv", "o", "gate_up", "down", "fuse_layers")
+
+    def layers(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers this head reads, for a target of num_layers layers."""
+        return tuple(self.config.feature_layers) or (num_layers,)
+
+    def target_features(self, hidden: dict[int, torch.Tensor], num_layers: int) -> torch.Tensor:
+        """The feature the head reads at the target's own positions, from its hidden states
+        (layer -> (T, H)): the one layer's as it is, or several layers' fused. Each is
+        scaled to unit RMS first: a residual stream's scale grows with depth."""
+        layers = self.layers(num_layers)
+        if len(layers) == 1:
+            return hidden[layers[0]]
+        dtype = hidden[layers[0]].dtype
+        units = [_rms_norm(hidden[layer], None, self.config.rms_norm_eps).to(dtype) for layer in layers]
+        return self._product("fuse_layers", torch.cat(units, dim=-1))
 
     def pack_for_drafting(self) -> "EagleHead":
         """Run the products through the target's packed bf16 kernels (models/linear.py): a
         head pass with one new row took 5.7 ms through bf16 nn.Linear on Qwen2.5-1.5B and
         3.5 ms packed (SmolLM2: 0.95 and 0.57 ms), and a draft runs a pass per tree depth.
         Training keeps the nn.Linear modules; drafting needs no gradients."""
-        self.products = {name: Linear(getattr(self, name).weight.detach(),
-                                      None if getattr(self, name).bias is None else getattr(self, name).bias.detach())
-                         for name in self.PRODUCTS}
+        modules = {name: getattr(self, name) for name in self.PRODUCTS if getattr(self, name) is not None}
+        self.products = {name: Linear(m.weight.detach(), None if m.bias is None else m.bias.detach())
+                         for name, m in modules.items()}
         return self
 
     def _product(self, name: str, x: torch.Tensor) -> torch.Tensor:
@@ -152,19 +175,35 @@ class EagleHead(torch.nn.Module):
         return _rms_norm(x, self.out_norm, c.rms_norm_eps)
 
 
+def check_feature_layers(layers: Sequence[int], num_layers: int | None = None) -> None:
+    """Fused layers are two or more distinct ones, within the target's (when known)."""
+    layers = list(layers)
+    if layers and (len(layers) < 2 or len(set(layers)) != len(layers)
+                   or any(layer < 1 or num_layers is not None and layer > num_layers for layer in layers)):
+        within = f" from 1 to the target's {num_layers}" if num_layers else ""
+        raise SpecDecodeError(f"feature layers: two or more distinct layers{within}, not {layers}")
+
+
 def new_head(target_config, target_name: str, target_sha256: str | None, intermediate_size: int | None = None,
-             seed: int = 0) -> EagleHead:
-    """A head shaped like one of the target's layers (optionally with a narrower MLP)."""
+             seed: int = 0, feature_layers: Sequence[int] = ()) -> EagleHead:
+    """A head shaped like one of the target's layers (optionally with a narrower MLP),
+    reading the target's final layer or, fused, `feature_layers`."""
+    check_feature_layers(feature_layers, target_config.num_layers)
     torch.manual_seed(seed)
     config = EagleConfig(target_name, target_sha256, target_config.hidden_size, target_config.num_heads,
                          target_config.num_kv_heads, intermediate_size or target_config.intermediate_size,
-                         target_config.rms_norm_eps, target_config.rope_theta)
+                         target_config.rms_norm_eps, target_config.rope_theta,
+                         feature_layers=list(feature_layers))
     head = EagleHead(config)
     with torch.no_grad():  # small initial steps: the fused input starts near the feature itself
         H = config.hidden_size
         head.fuse.weight.normal_(0, 1 / math.sqrt(2 * H))
         head.fuse.weight[:, :H] += torch.eye(H)
         head.fuse.bias.zero_()
+        if head.fuse_layers is not None:  # the layers start equally weighed
+            k = len(config.feature_layers)
+            head.fuse_layers.weight.normal_(0, 1 / math.sqrt(k * H))
+            head.fuse_layers.weight += torch.eye(H).repeat(1, k) / k
     return head
 
 

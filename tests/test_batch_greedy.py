@@ -51,13 +51,15 @@ def test_answer_features_match_a_teacher_forced_pass(tiny_qwen2):
 
     model = NativeModel.from_folder(tiny_qwen2, torch.float32)
     answers = greedy_answers(model, PROMPTS, 12, frozenset())
-    got = answer_features(model, PROMPTS, 12, frozenset(), first_doc=7)
     layer = model.config.num_layers
-    want = collect(model, [p + a[:-1] for p, a in zip(PROMPTS, answers)], (layer,))
+    got = answer_features(model, PROMPTS, 12, frozenset(), first_doc=7, layers=(1,))  # and the final layer
+    want = collect(model, [p + a[:-1] for p, a in zip(PROMPTS, answers)], (1, layer))
     assert torch.equal(got.tokens, want.tokens)
     assert torch.equal(got.labels, want.labels)
     assert torch.equal(got.doc_ids, want.doc_ids + 7)
-    torch.testing.assert_close(got.hidden[layer].float(), want.hidden[layer].float(), atol=2e-2, rtol=2e-2)
+    assert sorted(got.hidden) == [1, layer]
+    for kept in (1, layer):  # an inner layer's residual stream too, not a buffer written over later
+        torch.testing.assert_close(got.hidden[kept].float(), want.hidden[kept].float(), atol=2e-2, rtol=2e-2)
     ends = torch.cumsum(torch.tensor([len(p) + len(a) - 1 for p, a in zip(PROMPTS, answers)]), 0) - 1
     assert got.labels[ends].tolist() == [a[-1] for a in answers]  # each answer's last token: a label only
     within = torch.cat([torch.arange(len(p) + len(a) - 1) for p, a in zip(PROMPTS, answers)])

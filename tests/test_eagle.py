@@ -161,12 +161,11 @@ def test_packed_documents_see_only_themselves(tiny_llama, rollout):
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (7, 12, 5)]
     features = collect_features(model, docs, (model.config.num_layers,))
-    hidden = features.hidden[model.config.num_layers].float()
     lm_weight = lm_weight_of(tiny_llama)
     index = torch.arange(lm_weight.shape[0])
     head = random_head(model)
     positions = documents(features, torch.arange(len(features)))
-    args = (head, model.embed, features, hidden)
+    args = (head, model.embed, features)
     together = packed_loss(*args, positions, lm_weight, index, rollout)
     alone = [packed_loss(*args, [p], lm_weight, index, rollout) for p in positions]
     count = sum(a[2] for a in alone)
@@ -229,7 +228,7 @@ def test_eagle_feeds_its_head_only_on_tree_rounds_and_drafts_as_if_fed_every_rou
         propose, head = drafter.propose_tree, drafter.head
         drafter.propose_tree = lambda context, *a: seen.setdefault(len(context), propose(context, *a))
         calls = head_calls[gated] = []
-        drafter.head = lambda *a, **kw: calls.append(1) or head(*a, **kw)
+        head.register_forward_hook(lambda *_: calls.append(1))
         tokens, _ = collect(decode(model, prompt, stop, drafter=drafter))
         assert tokens == plain
     tree_rounds = [p for p in proposals[True].values() if p.tokens.numel()]
@@ -240,3 +239,64 @@ def test_eagle_feeds_its_head_only_on_tree_rounds_and_drafts_as_if_fed_every_rou
     assert common
     for n in common:
         assert proposals[True][n].tokens.tolist() == proposals[False][n].tokens.tolist()
+
+
+def fused_head(model, seed=0):
+    """A random head reading the target's layers 1 and 2 fused (EAGLE-3's way)."""
+    head = eagle.new_head(model.config, "tiny", None, intermediate_size=32, seed=seed, feature_layers=(1, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+    return head.eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_head_fusing_several_layers_drafts_trees_greedy_identical_to_plain(tiny_llama, dtype):
+    model = NativeModel.from_folder(tiny_llama, dtype)
+    stop = StopCondition(frozenset(), max_new_tokens=40)
+    for seed, (depth, top_k) in enumerate([(4, 3), (1, 1)]):
+        prompt = torch.randint(0, 96, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
+        plain, _ = collect(decode(model, prompt, stop))
+        head = fused_head(model, seed)
+        drafter = EagleDrafter(model, head, depth=depth, top_k=top_k)
+        assert drafter.target_layers == (1, 2)
+        seen = []
+        observe = drafter.observe_target
+        drafter.observe_target = lambda hidden: seen.append(sorted(hidden)) or observe(hidden)
+        tokens, done = collect(decode(model, prompt, stop, drafter=drafter))
+        assert tokens == plain
+        assert seen and all(layers == [1, 2] for layers in seen)  # the engine hands over both layers
+        assert done.stats.rounds < len(plain) or depth == 1
+
+
+def test_a_fused_head_trains_and_round_trips(tiny_llama, tmp_path):
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(96, generator=g)
+    docs = []
+    for start in torch.randint(0, 96, (40,), generator=g).tolist():
+        doc = [start]
+        while len(doc) < 40:
+            doc.append(int(perm[doc[-1]]))
+        docs.append(doc)
+    features = collect_features(model, docs, (1, 2))
+    lm_weight = lm_weight_of(tiny_llama)
+    config = EagleTrainConfig(epochs=6, lr=3e-3, intermediate_size=64, checkpoint_every=1000, tokens_per_step=80,
+                              feature_layers=(1, 2))
+    head, record = train(model, features, lm_weight, config, tmp_path, "tiny", None, log=lambda _: None)
+    assert head.config.feature_layers == [1, 2] and head.fuse_layers is not None
+    assert record["held_out_loss_after"] < 0.7 * record["held_out_loss_before"]
+    assert record["held_out_top1_after"] > record["held_out_top1_before"]
+    loaded = eagle.load(eagle.save(tmp_path / "head", head))
+    assert loaded.config.feature_layers == [1, 2]
+    assert torch.equal(loaded.fuse_layers.weight, head.fuse_layers.weight.to(torch.bfloat16).float())
+    hidden = {layer: features.hidden[layer][:5].float() for layer in (1, 2)}
+    torch.testing.assert_close(loaded.target_features(hidden, 2), head.target_features(hidden, 2), atol=0.05, rtol=0.05)
+
+
+def test_feature_layers_are_checked():
+    eagle.check_feature_layers(())
+    eagle.check_feature_layers((2, 15, 27), 30)
+    for bad in ((30,), (2, 2), (0, 5), (2, 31)):
+        with pytest.raises(SpecDecodeError, match="two or more distinct layers"):
+            eagle.check_feature_layers(bad, 30)

@@ -49,33 +49,34 @@ class EagleDrafter:
         self.vocab = vocab or DraftVocab(target.lm_head)
         self.tree_gate = gate  # None: draft every round
         self.max_nodes = num_nodes + 1
-        self.target_layers = (target.config.num_layers,)
+        self.target_layers = self.head.layers(target.config.num_layers)
         self.reset()
 
     def reset(self) -> None:
         """A new generation: the engine calls this before the prefill."""
         self.cache = HeadCache()
         self.fed = 0  # pairs in the head's cache: positions 0..fed-1
-        self.pending: list[torch.Tensor] = []  # true features (n, H) not yet fed
+        self.pending: list[dict[int, torch.Tensor]] = []  # the target's hidden states (n, H) not yet fed
 
     def gate(self) -> TreeGate | None:
         return None if self.tree_gate is None else self.tree_gate.fresh()
 
     def observe_target(self, hidden: dict[int, torch.Tensor]) -> None:
-        self.pending.append(hidden[self.target_layers[0]])
+        self.pending.append(hidden)
 
     @torch.inference_mode()
     def propose_tree(self, context: Sequence[int], max_depth: int, sampling: SamplingConfig,
                      generator: torch.Generator | None) -> TreeProposal:
         n = len(context)
-        if sum(f.shape[0] for f in self.pending) + self.fed != n - 1:
+        if sum(h[self.target_layers[0]].shape[0] for h in self.pending) + self.fed != n - 1:
             raise SpecDecodeError("EAGLE lost track of the target's features; start a new generation")
         depth = max(0, min(max_depth, self.depth))
         if depth == 0:
             # A plain step (the gate is closed): the pairs wait for the next tree round, fed
             # then in one head pass, so a closed gate costs no head pass per token.
             return TreeProposal(build_tree([]), torch.empty(0, dtype=torch.long))
-        features = torch.cat(self.pending)
+        hidden = {layer: torch.cat([h[layer] for h in self.pending]) for layer in self.target_layers}
+        features = self.head.target_features(hidden, self.target.config.num_layers)  # fused if it fuses layers
         self.pending = []
         self.cache.truncate(self.fed)
         # 1. the new pairs (f_j, x_{j+1}), j = fed .. n-2; the last output predicts f at n-1

@@ -40,51 +40,55 @@ def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, t
 
 def greedy_answers(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: frozenset[int]) -> list[list[int]]:
     """Each prompt's greedy answer, up to and including its first EOS, at most max_new_tokens."""
-    return _decode(model, prompts, max_new_tokens, eos_ids, record=False)[0]
+    return _decode(model, prompts, max_new_tokens, eos_ids, ())[0]
 
 
 def answer_features(model, prompts: list[list[int]], max_new_tokens: int, eos_ids: frozenset[int],
-                    first_doc: int = 0) -> Features:
+                    first_doc: int = 0, layers: tuple[int, ...] = ()) -> Features:
     """The target's features along prompt + its own answer, one document per prompt.
 
-    Hidden states of the final (normed) layer, recorded while answering, so the answers
-    need no second pass. Labels are the target's argmax at every position: on the prompt
-    from its logits, on the answer the next answer token. An answer's last token is never
-    fed, so it is a label only."""
-    answers, prompt_hidden, step_hidden = _decode(model, prompts, max_new_tokens, eos_ids, record=True)
-    tokens, labels, doc_ids, hidden, drafted = [], [], [], [], []
-    L = prompt_hidden.shape[1]
+    Hidden states of the final (normed) layer and of `layers`, recorded while answering,
+    so the answers need no second pass. Labels are the target's argmax at every position:
+    on the prompt from its logits, on the answer the next answer token. An answer's last
+    token is never fed, so it is a label only."""
+    final = model.config.num_layers
+    layers = tuple(sorted(set(layers) | {final}))
+    answers, prompt_hidden, step_hidden = _decode(model, prompts, max_new_tokens, eos_ids, layers)
+    tokens, labels, doc_ids, drafted = [], [], [], []
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+    L = prompt_hidden[final].shape[1]
     for row, (prompt, answer) in enumerate(zip(prompts, answers)):
         if not answer:
             continue
-        h = torch.cat([prompt_hidden[row, L - len(prompt):], step_hidden[row, :len(answer) - 1]])
+        along = {layer: torch.cat([prompt_hidden[layer][row, L - len(prompt):], step_hidden[layer][row, :len(answer) - 1]])
+                 for layer in layers}
+        h = along[final]
         prompt_labels = torch.cat([model.lm_head(chunk).argmax(dim=-1)
                                    for chunk in h[:len(prompt) - 1].split(LABEL_CHUNK)] + [torch.tensor(answer[:1])])
         tokens.append(torch.tensor(prompt + answer[:-1]))
         labels.append(torch.cat([prompt_labels, torch.tensor(answer[1:], dtype=torch.long)]))
         doc_ids.append(torch.full((len(h),), first_doc + row))
-        hidden.append(h.to(torch.bfloat16))
+        for layer in layers:
+            hidden[layer].append(along[layer].to(torch.bfloat16))
         drafted.append(torch.arange(len(h)) >= len(prompt) - 1)  # decoding drafts from here on
-    layer = model.config.num_layers
-    return Features(torch.cat(tokens), torch.cat(labels), torch.cat(doc_ids), {layer: torch.cat(hidden)},
-                    torch.cat(drafted))
+    return Features(torch.cat(tokens), torch.cat(labels), torch.cat(doc_ids),
+                    {layer: torch.cat(h) for layer, h in hidden.items()}, torch.cat(drafted))
 
 
-def _decode(model, prompts, max_new_tokens, eos_ids, record):
-    """(answers, the prompts' final hidden states (B, L, H), each step's (B, steps, H));
-    the hidden states are None unless record."""
+def _decode(model, prompts, max_new_tokens, eos_ids, layers: tuple[int, ...]):
+    """(answers, the prompts' hidden states {layer: (B, L, H)}, each step's {layer: (B, steps, H)})
+    of `layers`; the hidden states are None when no layer is asked for."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if not prompts or max_new_tokens <= 0:
         return [[] for _ in prompts], None, None
-    layers = (model.config.num_layers,) if record else ()
     tokens, positions, mask = left_padded(prompts)
     B, L = tokens.shape
     cache = model.new_cache(B, L + max_new_tokens)
     out = model(tokens, cache, positions=positions, mask=mask, num_logits=1, hidden_layers=layers)
     logits = out.logits[:, -1]
-    prompt_hidden = out.hidden_states[layers[0]] if record else None
-    steps = []  # (B, 1, H) per step, when record
+    prompt_hidden = out.hidden_states if layers else None
+    steps = []  # {layer: (B, 1, H)} per step
     real_keys = mask[:, -1, :]  # (B, L): the slots a row's later tokens may see
     next_pos = positions[:, -1] + 1
     answers: list[list[int]] = [[] for _ in prompts]
@@ -101,9 +105,10 @@ def _decode(model, prompts, max_new_tokens, eos_ids, record):
         out = model(chosen[:, None], cache, positions=next_pos[:, None], mask=real_keys[:, None, :],
                     hidden_layers=layers)
         logits = out.logits[:, -1]
-        if record:
-            steps.append(out.hidden_states[layers[0]])
+        if layers:
+            steps.append(out.hidden_states)
         next_pos = next_pos + 1
-    if not record:
+    if not layers:
         return answers, None, None
-    return answers, prompt_hidden, torch.cat(steps, dim=1) if steps else prompt_hidden[:, :0]
+    return answers, prompt_hidden, {layer: torch.cat([s[layer] for s in steps], dim=1) if steps
+                                    else prompt_hidden[layer][:, :0] for layer in layers}

@@ -20,9 +20,9 @@ FEATURES_DIR = "training-features"  # beside the target's cached weights, shared
 
 
 def answer_features(target, num_answers: int, answer_tokens: int, work: Path, batch_size: int = ANSWER_BATCH,
-                    block: int = ANSWER_BLOCK, log=print) -> Features:
+                    block: int = ANSWER_BLOCK, log=print, layers: tuple[int, ...] = ()) -> Features:
     """The target's greedy answers to the first num_answers training instructions, with
-    its features along them (batch_greedy.py).
+    its features along them (batch_greedy.py): the final layer's and those of `layers`.
 
     Prompts are sorted by length within blocks of `block`, so that a batch pads little.
     Each finished batch is saved under a name made from its prompts, so an interrupted run
@@ -41,7 +41,9 @@ def answer_features(target, num_answers: int, answer_tokens: int, work: Path, ba
     order = [i for start in range(0, len(prompts), block)
              for i in sorted(range(start, min(start + block, len(prompts))), key=lambda i: len(prompts[i]))]
     batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    folder = work / f"answers-{_key(target, answer_tokens)}"
+    inner = tuple(sorted(set(layers) - {target.model.config.num_layers}))
+    # the final layer alone keeps the key it always had, so answers cached before are found
+    folder = work / f"answers-{_key(target, answer_tokens, *([list(inner)] if inner else []))}"
     folder.mkdir(parents=True, exist_ok=True)
     eos = frozenset(target.info.eos_token_ids)
     parts = []
@@ -52,7 +54,7 @@ def answer_features(target, num_answers: int, answer_tokens: int, work: Path, ba
             if path.is_file():
                 part = Features.load(path)
             else:
-                part = batch_features(target.model, batch_prompts, answer_tokens, eos)  # doc id = row in batch
+                part = batch_features(target.model, batch_prompts, answer_tokens, eos, layers=inner)  # doc id = row
                 part.save(path)
             # concat() numbers each part's documents from its first present one (an empty
             # answer leaves no document), so the sources go from there alike
@@ -72,12 +74,12 @@ def _key(*settings) -> str:
 def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answers: int, answer_tokens: int,
                       work: Path, log=print) -> Features:
     """Features of the target's answers and of standard-library source (num_tokens of it);
-    each computed once per setting and kept in the work folder. Answers record the final
-    layer only, the one both heads read."""
+    each computed once per setting and kept in the work folder, for `layers` (which
+    include the final one)."""
     from tqdm import tqdm
 
     work.mkdir(parents=True, exist_ok=True)
-    parts = [answer_features(target, num_answers, answer_tokens, work, log=log)] if num_answers else []
+    parts = [answer_features(target, num_answers, answer_tokens, work, log=log, layers=layers)] if num_answers else []
     path = work / f"stdlib-{_key(target, layers, num_tokens, CHUNK)}.safetensors"
     chunks = stdlib_chunks(target.tokenizer, num_tokens, CHUNK) if num_tokens else []
     if chunks:
@@ -95,11 +97,12 @@ def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answ
 
 
 def prepare(target_name: str, out, default_dir, num_tokens: int, num_answers: int, answer_tokens: int,
-            epochs: float, what: str, log=print):
+            epochs: float, what: str, log=print, feature_layers: tuple[int, ...] = ()):
     """What every `specdecode train` does first: check the settings, load the target, make
     the work folder beside the artifact, and get the target's features (cached and shared).
     The artifact folder is `out`, else default_dir(the target's cached folder). Returns
-    (target, features, artifact folder, work folder)."""
+    (target, features, artifact folder, work folder). The features hold the final layer
+    and `feature_layers`."""
     from ..api import load_model
     from ..errors import SpecDecodeError
 
@@ -111,9 +114,13 @@ def prepare(target_name: str, out, default_dir, num_tokens: int, num_answers: in
     if not hasattr(target.model, "lm_head_weight"):
         raise SpecDecodeError(f"{what} needs the native backend (a Llama-family target)")
     folder = Path(out) if out else default_dir(target.info.folder)
+    if any(not 0 < layer <= target.model.config.num_layers for layer in feature_layers):
+        raise SpecDecodeError(f"{target_name} has layers 1 to {target.model.config.num_layers}, "
+                              f"not {sorted(feature_layers)}")
     work = folder.with_name(folder.name + ".work")  # the checkpoint, for resuming
     work.mkdir(parents=True, exist_ok=True)
-    features = training_features(target, (target.model.config.num_layers,), num_tokens, num_answers,
+    layers = tuple(sorted(set(feature_layers) | {target.model.config.num_layers}))
+    features = training_features(target, layers, num_tokens, num_answers,
                                  answer_tokens, Path(target.info.folder) / FEATURES_DIR, log)
     log(f"{len(features)} positions of target features")
     return target, features, folder, work

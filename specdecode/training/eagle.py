@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +29,7 @@ from .. import eagle
 from ..draft_vocab import DraftVocab, lm_head_weight
 from .. import machine
 from ..tree_shapes import choose_tree, expected_tokens_of_tree
-from .loop import Checkpoint, reduced_vocabulary, run_steps
+from .loop import Checkpoint, bf16_is_fast, reduced_vocabulary, run_steps
 from .features import Features
 from .medusa import max_tree_nodes, split
 
@@ -49,7 +49,10 @@ class EagleTrainConfig:
     rollout: int = 2  # steps on its own predicted features (packed_loss)
     token_weight: float = TOKEN_LOSS_WEIGHT
     tokens_per_step: int = 512  # documents packed per step (1,024 halves the steps an epoch, and lr 2e-3 diverges)
-    bf16: bool = True  # products in bf16: 2.2x faster than fp32 at 1024 positions on Qwen2.5-1.5B's head
+    # products in bf16 where that is fast: 2.2x faster than fp32 at 1024 positions on
+    # Qwen2.5-1.5B's head with AMX; several times slower without bf16 instructions
+    bf16: bool = field(default_factory=bf16_is_fast)
+    feature_layers: tuple[int, ...] = ()  # the target layers a new head fuses (eagle.new_head); (): the final
 
 
 def documents(features: Features, indices: torch.Tensor) -> list[torch.Tensor]:
@@ -71,7 +74,7 @@ def pack(lengths: Sequence[int], tokens_per_step: int) -> list[list[int]]:
     return groups
 
 
-def packed_loss(head, embed, features: Features, hidden, docs: Sequence[torch.Tensor], vocab_weight, vocab_index,
+def packed_loss(head, embed, features: Features, docs: Sequence[torch.Tensor], vocab_weight, vocab_index,
                 rollout: int = 1, token_weight: float = TOKEN_LOSS_WEIGHT, bf16: bool = False):
     """(loss, top-1 hits, count) of documents packed into one head pass.
 
@@ -90,9 +93,12 @@ def packed_loss(head, embed, features: Features, hidden, docs: Sequence[torch.Te
     mask = (doc[:, None] == doc[None]) & (positions[:, None] >= positions[None])
     first = (positions == 0)[:, None]
     embeds = embed[features.tokens[nxt]].float()
-    target = hidden[nxt].float()
+    final = max(features.hidden)
+    target = features.hidden[final][nxt].float()
     labels = vocab_index[features.labels[nxt]]
-    true_inputs = inputs = hidden[j].float()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        true_inputs = head.target_features({l: features.hidden[l][j].float() for l in head.layers(final)}, final)
+    true_inputs = inputs = true_inputs.float()
     total, hits = 0.0, 0
     for step in range(rollout):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -109,15 +115,14 @@ def packed_loss(head, embed, features: Features, hidden, docs: Sequence[torch.Te
 def train(target, features: Features, lm_weight, config: EagleTrainConfig, work: Path, name: str, sha256,
           log=print, init: eagle.EagleHead | None = None):
     """init: a trained head to start from (more data or more steps on top of it), else a new one."""
-    layer = max(features.hidden)
-    hidden = features.hidden[layer]
     train_idx, held_idx = split(features)
     train_docs = [d for d in documents(features, train_idx) if len(d) > 2]
     held_docs = [d for d in documents(features, held_idx) if len(d) > 2]
-    vocab_weight, vocab_index = reduced_vocabulary(features.labels, lm_weight)
+    vocab_weight, vocab_index = reduced_vocabulary(features.labels, lm_weight,
+                                                   torch.bfloat16 if config.bf16 else torch.float32)
     embed = target.embed
 
-    head = eagle.new_head(target.config, name, sha256, config.intermediate_size, config.seed)
+    head = eagle.new_head(target.config, name, sha256, config.intermediate_size, config.seed, config.feature_layers)
     if init is not None:
         start_from(head, init)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
@@ -135,7 +140,7 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
         log(f"resuming from step {step} of {total}")
 
     def loss_of(docs):
-        return packed_loss(head, embed, features, hidden, docs, vocab_weight, vocab_index, config.rollout,
+        return packed_loss(head, embed, features, docs, vocab_weight, vocab_index, config.rollout,
                            config.token_weight, config.bf16)
 
     def evaluate():
@@ -192,7 +197,8 @@ def depth_accuracy(head, target, vocab: DraftVocab, features: Features, docs, ma
     drafting, reading tokens from `vocab` as it does. Teacher-forced text stands in for
     the accepted path where the text agrees with the target's own predictions (rows
     where it does not drop out at that depth)."""
-    hidden = features.hidden[max(features.hidden)]
+    final = max(features.hidden)
+    layers = head.layers(final)
     dtype = target.dtype
     hits = [[0] * top for _ in range(max_depth)]
     counts = [0] * max_depth
@@ -203,7 +209,8 @@ def depth_accuracy(head, target, vocab: DraftVocab, features: Features, docs, ma
         tokens, labels = features.tokens[doc], features.labels[doc]
         cache = eagle.HeadCache()
         pos = torch.arange(L - 1)
-        predicted = head(hidden[doc[:-1]].to(dtype), target.embed[tokens[1:]], pos, cache)  # f̂ at 1..L-1
+        inputs = head.target_features({l: features.hidden[l][doc[:-1]].to(dtype) for l in layers}, final)
+        predicted = head(inputs, target.embed[tokens[1:]], pos, cache)  # f̂ at 1..L-1
         rows = torch.arange(L - 1)  # row i: drafting after position i (the pending token is x_{i+1})
         feature, chain = predicted, []
         if features.drafted is not None and bool(features.drafted[doc[:-1]].any()):
@@ -261,23 +268,29 @@ def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: i
 
 def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: int = 24, answer_tokens: int = 128,
                     epochs: float = 2.0, out: str | Path | None = None, intermediate_size: int | None = None,
-                    log=print, start: str | Path | None = None) -> Path:
-    """start: the folder of a trained head to continue from (`--from`), else a new head."""
+                    log=print, start: str | Path | None = None, feature_layers: Sequence[int] = ()) -> Path:
+    """start: the folder of a trained head to continue from (`--from`), else a new head.
+    feature_layers: the target layers a new head fuses (eagle.new_head); (): the final one."""
     from .data import prepare
     from ..errors import SpecDecodeError
 
     if intermediate_size is not None and intermediate_size <= 0:
         raise SpecDecodeError("--intermediate-size must be positive")
     init = None if start is None else eagle.load(start)  # a wrong folder fails before minutes of set-up
+    eagle.check_feature_layers(feature_layers)
+    if init is not None:
+        if feature_layers and list(feature_layers) != init.config.feature_layers:
+            raise SpecDecodeError(f"--feature-layers: the head in {start} reads {init.config.feature_layers or 'the final layer'}")
+        feature_layers = tuple(init.config.feature_layers)
     target, features, folder, work = prepare(target_name, out, eagle.default_dir, num_tokens, num_answers,
-                                             answer_tokens, epochs, "EAGLE", log)
+                                             answer_tokens, epochs, "EAGLE", log, tuple(feature_layers))
     lm_weight = lm_head_weight(target)
     if init is not None:
         if init.config.target_sha256 not in (None, target.info.sha256):
             raise SpecDecodeError(f"the head in {start} was trained for another target ({init.config.target})")
         intermediate_size = intermediate_size or init.config.intermediate_size
         log(f"starting from the head in {start}")
-    config = EagleTrainConfig(epochs=epochs, intermediate_size=intermediate_size)
+    config = EagleTrainConfig(epochs=epochs, intermediate_size=intermediate_size, feature_layers=tuple(feature_layers))
     head, record = train(target.model, features, lm_weight, config, work, target_name, target.info.sha256, log,
                          init)
     if start is not None:

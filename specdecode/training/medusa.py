@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from .. import medusa
 from ..draft_vocab import DraftVocab, lm_head_weight
 from .. import machine
 from ..tree_shapes import choose_tree
-from .loop import Checkpoint, reduced_vocabulary, run_steps
+from .loop import Checkpoint, bf16_is_fast, reduced_vocabulary, run_steps
 from .features import Features
 
 MAX_TREE_NODES = 24  # a bound on the search; the measured verify curve decides the size
@@ -54,7 +54,7 @@ class TrainConfig:
     lr: float = 1e-3
     seed: int = 0
     checkpoint_every: int = 50
-    bf16: bool = True  # the LM-head product in bf16 (the heads and their gradients stay fp32)
+    bf16: bool = field(default_factory=bf16_is_fast)  # the LM-head product in bf16 (the heads stay fp32)
 
 
 def head_labels(features: Features, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
