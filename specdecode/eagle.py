@@ -47,8 +47,8 @@ class EagleConfig:
     training: dict = field(default_factory=dict)
     # the dynamic tree for this machine: depth, top_k, num_nodes (+ the measurements behind them)
     tree: dict = field(default_factory=dict)
-    # The target layers the head reads. Empty or one: the final normed layer alone (EAGLE-1
-    # and -2). Several: their hidden states fused by a product (EAGLE-3 reads a low, a middle
+    # The target layers the head reads. Empty: the final normed layer alone (EAGLE-1 and
+    # -2). Two or more: their hidden states fused by a product (EAGLE-3 reads a low, a middle
     # and a high layer), for the target's positions; drafted positions read the head's own.
     feature_layers: list[int] = field(default_factory=list)
 
