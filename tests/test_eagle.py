@@ -88,8 +88,9 @@ def test_eagle_sampling_keeps_the_target_distribution(tiny_vocab8):
     assert np.mean(accepted) > 0.2  # the second token came from an accepted tree node often
 
 
-def _grammar_features(model):
-    """40 documents of an easy grammar (each token has one successor), through the model."""
+def _grammar_features(model, layers=None):
+    """40 documents of an easy grammar (each token has one successor), through the model,
+    with the hidden states of `layers` (default: the final one)."""
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(96, generator=g)
     docs = []
@@ -98,7 +99,7 @@ def _grammar_features(model):
         while len(doc) < 40:
             doc.append(int(perm[doc[-1]]))
         docs.append(doc)
-    return collect_features(model, docs, (model.config.num_layers,))
+    return collect_features(model, docs, layers or (model.config.num_layers,))
 
 
 def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_llama, tmp_path):
@@ -271,15 +272,7 @@ def test_a_head_fusing_several_layers_drafts_trees_greedy_identical_to_plain(tin
 
 def test_a_fused_head_trains_and_round_trips(tiny_llama, tmp_path):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
-    g = torch.Generator().manual_seed(0)
-    perm = torch.randperm(96, generator=g)
-    docs = []
-    for start in torch.randint(0, 96, (40,), generator=g).tolist():
-        doc = [start]
-        while len(doc) < 40:
-            doc.append(int(perm[doc[-1]]))
-        docs.append(doc)
-    features = collect_features(model, docs, (1, 2))
+    features = _grammar_features(model, (1, 2))
     lm_weight = lm_weight_of(tiny_llama)
     config = EagleTrainConfig(epochs=6, lr=3e-3, intermediate_size=64, checkpoint_every=1000, tokens_per_step=80,
                               feature_layers=(1, 2))
