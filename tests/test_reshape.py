@@ -83,3 +83,36 @@ def test_a_head_named_by_path_is_not_rewritten_but_warned_of(monkeypatch, capsys
     assert "fitting the" not in capsys.readouterr().err
     shipped = json.loads((SHIPPED / "eagle" / eagle.CONFIG_FILE).read_text())["tree"]
     assert drafter.depth == shipped["depth"]  # the shipped shape, as it is
+
+
+@pytest.mark.real
+def test_a_refit_of_a_shipped_head_since_replaced_gives_way_to_the_new_one(tmp_path, monkeypatch, capsys):
+    """A newer package ships another head: the copy fitted here from the old one is passed
+    over for it, and the new one is fitted in its place; a head trained here is kept."""
+    import dataclasses
+
+    from specdecode import machine
+    from specdecode.api import Model, load_model, make_eagle
+
+    monkeypatch.setattr(machine, "fingerprint", lambda: {"cpu": "a test CPU", "kernel": "avx2", "threads": 2})
+    loaded = load_model("smollm2-135m-instruct")
+    target = Model(loaded.model, loaded.tokenizer, dataclasses.replace(loaded.info, folder=tmp_path))
+    make_eagle(target)
+    assert capsys.readouterr().err.count("fitting the") == 1
+    record = json.loads((tmp_path / "eagle" / eagle.CONFIG_FILE).read_text())["tree"]
+    assert record[medusa.REFIT_KEY] == medusa.shipped_hash(SHIPPED / "eagle")
+    assert eagle.find("smollm2-135m-instruct", tmp_path) == tmp_path / "eagle"
+
+    monkeypatch.setattr(medusa, "shipped_hash", lambda folder: "a newer head")  # the package's head changed
+    assert eagle.find("smollm2-135m-instruct", tmp_path) == SHIPPED / "eagle"
+    make_eagle(target)
+    assert capsys.readouterr().err.count("fitting the") == 1  # fitted again, over the stale copy
+    record = json.loads((tmp_path / "eagle" / eagle.CONFIG_FILE).read_text())["tree"]
+    assert record[medusa.REFIT_KEY] == "a newer head"
+    assert eagle.find("smollm2-135m-instruct", tmp_path) == tmp_path / "eagle"
+
+    record = json.loads((tmp_path / "eagle" / eagle.CONFIG_FILE).read_text())
+    del record["tree"][medusa.REFIT_KEY]  # as a head trained here records it: no shipped source
+    (tmp_path / "eagle" / eagle.CONFIG_FILE).write_text(json.dumps(record))
+    monkeypatch.setattr(medusa, "shipped_hash", lambda folder: "yet another")
+    assert eagle.find("smollm2-135m-instruct", tmp_path) == tmp_path / "eagle"

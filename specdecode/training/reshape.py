@@ -18,6 +18,12 @@ from .. import draft_vocab, eagle, medusa
 from .. import machine
 
 
+def _source(folder: Path) -> dict:
+    """Where a shipped artifact was re-shaped from, so that a newer package's replaces it."""
+    source = medusa.shipped_hash(folder)
+    return {} if source is None else {medusa.REFIT_KEY: source}
+
+
 def reshape_medusa(target_name: str, heads: str | Path | None = None, out: str | Path | None = None,
                    log=print) -> Path:
     from ..api import load_model
@@ -37,7 +43,7 @@ def refit_medusa(target, folder: Path, out: str | Path | None = None, log=print)
     paths, speedup = pick_tree(target.model, trained, vocab, config.accuracy, log)
     config.tree = [list(p) for p in paths]
     config.training = config.training | {"expected_speedup": round(speedup, 3),
-                                         "fitted_on": machine.fingerprint()}
+                                         "fitted_on": machine.fingerprint(), **_source(folder)}
     return medusa.save(Path(out) if out else medusa.default_dir(target.info.folder), trained, config)
 
 
@@ -63,5 +69,6 @@ def refit_eagle(target, folder: Path, out: str | Path | None = None, log=print) 
                               "train it again with `specdecode train eagle`")
     log(f"head from {folder}")
     vocab = draft_vocab.for_target(target, trained.draft_vocab)
-    trained.config.tree = shape_for(target.model, trained, vocab, accuracy, log)
+    kept = {k: v for k, v in trained.config.tree.items() if k == medusa.REFIT_KEY}  # a refit's refit
+    trained.config.tree = shape_for(target.model, trained, vocab, accuracy, log) | kept | _source(folder)
     return eagle.save(Path(out) if out else eagle.default_dir(target.info.folder), trained.float())
