@@ -9,7 +9,8 @@ loss 0.1; with the little data trained on here the token loss is what counts: on
 tokens of Qwen2.5-1.5B's features, 2 epochs, held-out top-1 rose from 0.31 (weight 0.1,
 lr 3e-4) to 0.38 (weight 1, lr 1e-3); soft labels (the target's whole distribution)
 gave 0.37. Documents are packed into steps of about 512 positions, each attending to
-itself only, with the head's products in bf16. Every 20th document is held out; its loss
+itself only, with the head's products in bf16 where the CPU has bf16 instructions (fp32
+elsewhere). Every 20th document is held out; its loss
 is reported before and after, with the top-1 accuracy of the token read from the
 predicted feature. Resumable from a checkpoint in the work folder.
 """
