@@ -115,12 +115,10 @@ def find_artifact(kind: str, config_file: str, target_name: str, target_folder: 
     copy of a shipped artifact that has since been replaced (a newer package) is passed
     over for the new one, which is then fitted again in its place."""
     local, shipped = Path(target_folder) / kind, SHIPPED / target_name / kind
-    if (local / config_file).is_file() and not _refit_of_replaced(local / config_file, shipped):
+    if (local / config_file).is_file() and not _refit_of_replaced(local / config_file, shipped / config_file):
         return local
     if (shipped / config_file).is_file():
         return shipped
-    if (local / config_file).is_file():
-        return local
     raise SpecDecodeError(f"no {what} for {target_name}: run `specdecode train {kind} --target {target_name}` "
                           f"or pass {flag} PATH")
 
@@ -139,10 +137,10 @@ def shipped_hash(folder: Path) -> str | None:
     return None if weights is None else hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
 
 
-def _refit_of_replaced(config_path: Path, shipped: Path) -> bool:
+def _refit_of_replaced(config_path: Path, shipped_config: Path) -> bool:
     record = json.loads(config_path.read_text())
     source = next((part[REFIT_KEY] for part in record.values() if isinstance(part, dict) and REFIT_KEY in part), None)
-    return source is not None and shipped.is_dir() and source != shipped_hash(shipped)
+    return source is not None and shipped_config.is_file() and source != shipped_hash(shipped_config.parent)
 
 
 def find(target_name: str, target_folder: str | Path) -> Path:
