@@ -47,7 +47,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import SpecDecodeError
+from specdecode.errors import SpecDecodeError
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdecode.acceptance import greedy_chain, one_hot_probs, rejection_chain
-from specdecode.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.acceptance import greedy_chain, one_hot_probs, rejection_chain
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
 
 P_VALUE_FLOOR = 1e-3  # a chi-square p-value below this fails a test
 

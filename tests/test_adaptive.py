@@ -7,23 +7,24 @@ import random
 import pytest
 import torch
 
-from specdecode.adaptive import (
+from specdecode.core.draft_length import FixedK
+from specdecode.policy.gate import TreeGate
+from specdecode.policy.adaptive import (
     AdaptiveK,
     CostModel,
-    FixedK,
-    TreeGate,
     best_k,
     best_k_from_rounds,
     expected_tokens,
     speedup_from_rounds,
 )
 from specdecode.drafters import DraftModel
-from specdecode.engine import decode
+from specdecode.core.engine import decode
 from specdecode.errors import SpecDecodeError
-from specdecode.events import Round, collect
+from specdecode.core.events import Round, collect
 from specdecode.models.native import NativeModel
-from specdecode.stopping import StopCondition
-from specdecode.tune import Profile, alpha_mle, cost_model
+from specdecode.core.stopping import StopCondition
+from specdecode.policy.costs import cost_model
+from specdecode.policy.profile import Profile, alpha_mle
 
 FLAT = (1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08)
 
@@ -183,9 +184,10 @@ def test_profile_picks_the_hybrid_where_its_probe_beats_both_parts(tmp_path):
     probe (its own rounds, each charged what it cost) is compared with the parts' best."""
     from specdecode.drafters import DraftModel
     from specdecode.drafters.hybrid import LookupOrModel
-    from specdecode.api import tuned_drafter
-    from specdecode.tune import HybridK, hybrid_probe
-    from specdecode.events import Round
+    from specdecode.plan import tuned_drafter
+    from specdecode.commands.tune import hybrid_probe
+    from specdecode.policy.profile import HybridK
+    from specdecode.core.events import Round
 
     verify = {1: 0.10, 2: 0.101, 4: 0.103, 8: 0.11, 16: 0.13}
     drafters = {"draft-model": {"draft": "d", "step_s": 0.03}, "prompt-lookup": {"draft": None, "step_s": 0.0},

@@ -4,11 +4,11 @@ prompt alone, token for token, whatever the other rows and the padding."""
 import pytest
 import torch
 
-from specdecode.engine import decode
-from specdecode.events import collect
+from specdecode.core.engine import decode
+from specdecode.core.events import collect
 from specdecode.models.native import NativeModel
-from specdecode.stopping import StopCondition
-from specdecode.training.batch_greedy import greedy_answers, left_padded
+from specdecode.core.stopping import StopCondition
+from specdecode.heads.training.batch_greedy import greedy_answers, left_padded
 
 PROMPTS = [[5, 17, 42, 8, 17, 42, 8, 91, 5, 17, 42], [3, 9], [60, 61, 62, 63, 64], [7]]
 
@@ -46,8 +46,8 @@ def test_answers_stop_at_their_own_eos(tiny_llama):
 
 
 def test_answer_features_match_a_teacher_forced_pass(tiny_qwen2):
-    from specdecode.training.batch_greedy import answer_features
-    from specdecode.training.features import collect
+    from specdecode.heads.training.batch_greedy import answer_features
+    from specdecode.heads.training.features import collect
 
     model = NativeModel.from_folder(tiny_qwen2, torch.float32)
     answers = greedy_answers(model, PROMPTS, 12, frozenset())
@@ -68,7 +68,7 @@ def test_answer_features_match_a_teacher_forced_pass(tiny_qwen2):
 
 
 def test_concat_renumbers_documents_and_keeps_drafted():
-    from specdecode.training.features import Features, concat
+    from specdecode.heads.training.features import Features, concat
 
     def part(doc_ids, drafted=None):
         n = len(doc_ids)
@@ -84,7 +84,7 @@ def test_concat_renumbers_documents_and_keeps_drafted():
 
 
 def test_concat_keeps_each_document_with_its_source():
-    from specdecode.training.features import Features, concat
+    from specdecode.heads.training.features import Features, concat
 
     def part(doc_ids, sources):
         n = len(doc_ids)
@@ -107,9 +107,9 @@ def test_answers_are_saved_by_batch_and_reused_by_a_larger_run(smollm2_folder, t
     from types import SimpleNamespace
 
     from specdecode.models.load import load
-    from specdecode.prompts import encode_prompt
-    from specdecode.training.data import answer_features
-    from specdecode.training.instructions import instructions
+    from specdecode.core.prompts import encode_prompt
+    from specdecode.heads.training.data import answer_features
+    from specdecode.heads.training.instructions import instructions
 
     model, tokenizer, info = load(str(smollm2_folder), torch.float32)
     target = SimpleNamespace(model=model, tokenizer=tokenizer, info=info)

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from specdecode.bench import run_bench
-from specdecode.report import write_report
+from specdecode.commands.bench import run_bench
+from specdecode.commands.report import write_report
 from specdecode.suites import Question
-from specdecode.tune import Profile
+from specdecode.policy.profile import Profile
 
 
 @pytest.mark.real
@@ -59,7 +59,7 @@ def test_sampled_bench_runs_the_peers_sampling_too():
 
 
 def test_verdict_compares_tuned_with_the_best_peer_and_the_theory():
-    from specdecode.report import verdict, verdict_table
+    from specdecode.commands.report import verdict, verdict_table
 
     rows = [
         {"category": "chat", "method": "plain", "k": None, "speedup": 1.0},

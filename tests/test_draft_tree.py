@@ -5,11 +5,11 @@ import torch
 
 from specdecode.drafters import DraftModel
 from specdecode.drafters.draft_tree import DraftTree
-from specdecode.engine import decode
-from specdecode.events import collect
+from specdecode.core.engine import decode
+from specdecode.core.events import collect
 from specdecode.models.native import NativeModel
-from specdecode.sampling import SamplingConfig
-from specdecode.stopping import StopCondition
+from specdecode.core.sampling import SamplingConfig
+from specdecode.core.stopping import StopCondition
 
 
 @pytest.mark.parametrize("widths", [(2, 2, 1), (3, 1), (1, 1, 1, 1)])

@@ -4,18 +4,18 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode import eagle
-from specdecode.draft_vocab import DraftVocab
-from specdecode.drafters.eagle import EagleDrafter
-from specdecode.engine import decode
+from specdecode.heads.eagle import model as eagle
+from specdecode.heads.draft_vocab import DraftVocab
+from specdecode.heads.eagle.drafter import EagleDrafter
+from specdecode.core.engine import decode
 from specdecode.errors import SpecDecodeError
-from specdecode.events import collect
+from specdecode.core.events import collect
 from specdecode.models.native import NativeModel
-from specdecode.sampling import SamplingConfig, logits_to_probs
-from specdecode.stopping import StopCondition
-from specdecode.training.eagle import (EagleTrainConfig, choose_shape, documents, measure_shape, pack, packed_loss,
+from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.core.stopping import StopCondition
+from specdecode.heads.eagle.train import (EagleTrainConfig, choose_shape, documents, measure_shape, pack, packed_loss,
                                        train)
-from specdecode.training.features import collect as collect_features
+from specdecode.heads.training.features import collect as collect_features
 
 from .conftest import save_tiny
 from .test_acceptance import assert_distributed_as
@@ -188,7 +188,7 @@ def test_tree_shape_choice_follows_acceptance_and_cost():
 
 
 def test_tree_size_is_bounded_where_bf16_rows_are_invariant_only_up_to_a_count():
-    from specdecode.training.medusa import MAX_TREE_NODES, max_tree_nodes
+    from specdecode.heads.medusa.train import MAX_TREE_NODES, max_tree_nodes
 
     class OneDNN:
         row_invariant_rows = 11

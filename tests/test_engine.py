@@ -6,12 +6,12 @@ import torch
 from scipy.stats import chisquare
 
 from specdecode.drafters import DraftModel, PromptLookup
-from specdecode.engine import decode
+from specdecode.core.engine import decode
 from specdecode.errors import SpecDecodeError
-from specdecode.events import Done, collect
+from specdecode.core.events import Done, collect
 from specdecode.models.native import NativeModel
-from specdecode.sampling import SamplingConfig, logits_to_probs
-from specdecode.stopping import StopCondition
+from specdecode.core.sampling import SamplingConfig, logits_to_probs
+from specdecode.core.stopping import StopCondition
 
 PROMPT = [5, 17, 42, 8, 17, 42, 8, 91, 5, 17, 42]
 
@@ -48,7 +48,7 @@ def test_greedy_identity_tiny_models(tiny, tiny_other, k):
 def test_greedy_identity_smollm2_prompt_lookup(smollm2_folder, k):
     from transformers import AutoTokenizer
 
-    from specdecode.prompts import encode_prompt
+    from specdecode.core.prompts import encode_prompt
 
     model = NativeModel.from_folder(smollm2_folder, torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder))
@@ -201,7 +201,7 @@ def test_hybrid_copies_repeats_drafts_elsewhere_and_is_greedy_identical(tiny, ti
 
 
 def test_hybrid_policy_is_fresh_each_generation(tiny, tiny_other):
-    from specdecode.adaptive import AdaptiveK, CostModel
+    from specdecode.policy.adaptive import AdaptiveK, CostModel
     from specdecode.drafters.hybrid import LookupOrModel
 
     hybrid = LookupOrModel(DraftModel(tiny_other, tiny.vocab_size), 4, AdaptiveK(CostModel(0.3)))

@@ -7,15 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdecode.cli import main
+from specdecode.commands.cli import main
 from specdecode.drafters import PromptLookup
-from specdecode.engine import decode
+from specdecode.core.engine import decode
 from specdecode.errors import SpecDecodeError, UnknownModelError
-from specdecode.events import collect
+from specdecode.core.events import collect
 from specdecode.models.load import eos_token_ids
 from specdecode.models.native import NativeModel
-from specdecode.prompts import encode_prompt
-from specdecode.stopping import StopCondition
+from specdecode.core.prompts import encode_prompt
+from specdecode.core.stopping import StopCondition
 
 CODE_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 PROSE_PROMPT = "Describe, in a few sentences, what a lighthouse keeper's day was like."
@@ -53,7 +53,8 @@ def test_qwen_1_5b_greedy_equals_transformers_generate(qwen_folder):
 @pytest.mark.qwen
 @pytest.mark.parametrize("prompt", [CODE_PROMPT, PROSE_PROMPT], ids=["code", "prose"])
 def test_qwen_pair_speculative_greedy_is_identical_to_plain(prompt):
-    from specdecode.api import load_model, make_draft_model
+    from specdecode.api import load_model
+    from specdecode.plan import make_draft_model
 
     target = load_model("qwen2.5-coder-1.5b-instruct")
     draft = load_model("qwen2.5-coder-0.5b-instruct")
@@ -68,7 +69,8 @@ def test_qwen_pair_speculative_greedy_is_identical_to_plain(prompt):
 
 @pytest.mark.real
 def test_mismatched_tokenizer_is_refused(tiny_llama):
-    from specdecode.api import Model, load_model, make_draft_model
+    from specdecode.api import Model, load_model
+    from specdecode.plan import make_draft_model
     from specdecode.models.load import ModelInfo
 
     smol = load_model("smollm2-135m-instruct")
@@ -154,7 +156,7 @@ def test_transformers_style_generate_call():
 @pytest.mark.real
 def test_adaptive_k_and_profiles_keep_greedy_output(tmp_path):
     import specdecode
-    from specdecode.tune import Profile
+    from specdecode.policy.profile import Profile
 
     prompt = "Add type hints to this function:\ndef area(width, height):\n    return width * height\n"
     options = dict(max_new_tokens=32, target="smollm2-135m-instruct")
@@ -184,16 +186,17 @@ def test_smollm2_medusa_and_draft_tree_greedy_are_identical_to_plain():
     assert medusa.token_ids == plain.token_ids == tree.token_ids
     # the trained heads are right often enough, on the shipped tree of 4 nodes (the tree fitted
     # to this machine may be smaller, or none where drafting does not pay)
-    from specdecode import draft_vocab, medusa as medusa_artifact
+    from specdecode.heads import artifacts, draft_vocab
+    from specdecode.heads.medusa import model as medusa_artifact
     from specdecode.api import load_model
-    from specdecode.drafters.medusa import MedusaDrafter
-    from specdecode.engine import decode
-    from specdecode.events import collect
-    from specdecode.prompts import encode_prompt
-    from specdecode.stopping import StopCondition
+    from specdecode.heads.medusa.drafter import MedusaDrafter
+    from specdecode.core.engine import decode
+    from specdecode.core.events import collect
+    from specdecode.core.prompts import encode_prompt
+    from specdecode.core.stopping import StopCondition
 
     target = load_model("smollm2-135m-instruct")
-    heads, config = medusa_artifact.load(medusa_artifact.SHIPPED / "smollm2-135m-instruct" / "medusa")
+    heads, config = medusa_artifact.load(artifacts.SHIPPED / "smollm2-135m-instruct" / "medusa")
     shipped = MedusaDrafter(target.model, heads, [tuple(p) for p in config.tree],
                             draft_vocab.for_target(target, heads.draft_vocab))
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=48)
@@ -209,19 +212,20 @@ def test_smollm2_eagle_chain_and_dynamic_tree_greedy_are_identical_to_plain():
     """The EAGLE head shipped in the package, as a chain (top-1, 4 deep), as a dynamic tree
     (top-3, 3 deep, 8 nodes) and in the shape its artifact chose."""
     import specdecode
-    from specdecode.api import load_model, make_eagle
-    from specdecode.drafters.eagle import EagleDrafter
-    from specdecode.engine import decode
-    from specdecode.events import collect
-    from specdecode.prompts import encode_prompt
-    from specdecode.stopping import StopCondition
+    from specdecode.api import load_model
+    from specdecode.heads.loading import eagle_drafter
+    from specdecode.heads.eagle.drafter import EagleDrafter
+    from specdecode.core.engine import decode
+    from specdecode.core.events import collect
+    from specdecode.core.prompts import encode_prompt
+    from specdecode.core.stopping import StopCondition
 
     prompt = "Write a Python function that returns the n-th Fibonacci number."
     target = load_model("smollm2-135m-instruct")
     ids = encode_prompt(target.tokenizer, prompt)
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=48)
     plain, _ = collect(decode(target.model, ids, stop))
-    shipped = make_eagle(target)
+    shipped = eagle_drafter(target)
     chain = EagleDrafter(target.model, shipped.head, depth=4, top_k=1, num_nodes=4, vocab=shipped.vocab)
     tree = EagleDrafter(target.model, shipped.head, depth=3, top_k=3, num_nodes=8, vocab=shipped.vocab)
     for drafter in (chain, tree):

@@ -4,7 +4,7 @@ of the text the bench's suites ask about (the suites stay held out)."""
 import pytest
 
 from specdecode.suites import SUITES, load_suite
-from specdecode.training.instructions import instruction_prompts, instructions
+from specdecode.heads.training.instructions import instruction_prompts, instructions
 
 MARKERS = {  # a phrase each kind's prompts start with
     "code": "Complete the following Python function.",

@@ -3,16 +3,16 @@
 import pytest
 import torch
 
-from specdecode import medusa
-from specdecode.draft_vocab import DraftVocab
-from specdecode.drafters.medusa import MedusaDrafter
-from specdecode.engine import decode
-from specdecode.events import collect
+from specdecode.heads.medusa import model as medusa
+from specdecode.heads.draft_vocab import DraftVocab
+from specdecode.heads.medusa.drafter import MedusaDrafter
+from specdecode.core.engine import decode
+from specdecode.core.events import collect
 from specdecode.models.native import NativeModel
-from specdecode.stopping import StopCondition
-from specdecode.training.features import Features, collect as collect_features
-from specdecode.training.medusa import TrainConfig, head_labels, split, train
-from specdecode.tree_shapes import choose_tree, expected_tokens_of_tree, grow_tree, num_leaves
+from specdecode.core.stopping import StopCondition
+from specdecode.heads.training.features import Features, collect as collect_features
+from specdecode.heads.medusa.train import TrainConfig, head_labels, split, train
+from specdecode.policy.tree_shapes import choose_tree, expected_tokens_of_tree, grow_tree, num_leaves
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 0, 0, 0)]
 
@@ -54,7 +54,7 @@ def test_medusa_tree_decoding_is_identical_to_plain_greedy(tiny_llama, dtype, re
 
 
 def test_medusa_sampling_keeps_the_stream_valid_and_seeded(tiny_llama):
-    from specdecode.sampling import SamplingConfig
+    from specdecode.core.sampling import SamplingConfig
 
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     stop = StopCondition(frozenset(), max_new_tokens=30)
@@ -158,8 +158,8 @@ def test_each_extra_root_to_leaf_path_costs_its_attention():
 
 
 def test_a_gated_medusa_drafter_stops_drafting_where_it_is_never_accepted(tiny_llama):
-    from specdecode.adaptive import TreeGate
-    from specdecode.events import Round
+    from specdecode.policy.gate import TreeGate
+    from specdecode.core.events import Round
 
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     prompt, stop = [5, 17, 42, 8, 91], StopCondition(max_new_tokens=60)

@@ -1,7 +1,7 @@
 """Golden cases for plan_paths: which root-to-leaf paths a tree pass attends along."""
 
 from specdecode.models.path_attention import plan_paths
-from specdecode.trees import build_tree, chain_tree, tree_attention
+from specdecode.core.trees import build_tree, chain_tree, tree_attention
 
 # root ─┬─ 1 = (0,) ─┬─ 3 = (0, 0) ── 5 = (0, 0, 0)
 #       │            └─ 4 = (0, 1)

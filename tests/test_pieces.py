@@ -2,13 +2,13 @@
 
 import pytest
 
-from specdecode.adaptive import expected_tokens
-from specdecode.bench import theoretical_speedup
+from specdecode.policy.adaptive import expected_tokens
+from specdecode.commands.bench import theoretical_speedup
 from specdecode.drafters import PromptLookup
 from specdecode.errors import SpecDecodeError
-from specdecode.events import Stats
-from specdecode.stopping import StopCondition
-from specdecode.textstream import TextStream
+from specdecode.core.events import Stats
+from specdecode.core.stopping import StopCondition
+from specdecode.commands.textstream import TextStream
 
 
 def test_prompt_lookup_copies_what_followed_the_latest_match():

@@ -7,10 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdecode import eagle, medusa
-from specdecode.training.reshape import reshape_eagle, reshape_medusa
+from specdecode.heads import artifacts
+from specdecode.heads.eagle import model as eagle
+from specdecode.heads.medusa import model as medusa
+from specdecode.heads.refit import reshape_eagle, reshape_medusa
 
-SHIPPED = medusa.SHIPPED / "smollm2-135m-instruct"
+SHIPPED = artifacts.SHIPPED / "smollm2-135m-instruct"
 
 
 @pytest.mark.real
@@ -36,7 +38,7 @@ def test_reshape_eagle_keeps_the_head_and_its_accuracy(tmp_path):
 
 
 def test_fitted_elsewhere_compares_only_what_the_artifact_records(monkeypatch):
-    from specdecode import machine
+    from specdecode.policy import machine
 
     monkeypatch.setattr(machine, "fingerprint", lambda: {"cpu": "AMD EPYC", "kernel": "avx2", "threads": 2})
     assert machine.fitted_elsewhere({"kernel": "amx", "threads": 2})
@@ -53,8 +55,9 @@ def test_a_shipped_tree_fitted_on_another_machine_is_fitted_here_once(kind, tmp_
     first use fits them again into the target's folder, and later uses find that one."""
     import dataclasses
 
-    from specdecode import machine
-    from specdecode.api import Model, load_model, make_eagle, make_medusa
+    from specdecode.policy import machine
+    from specdecode.api import Model, load_model
+    from specdecode.heads.loading import eagle_drafter, medusa_drafter
 
     here = {"cpu": "a test CPU", "kernel": "avx2", "threads": 2}
     monkeypatch.setattr(machine, "fingerprint", lambda: here)
@@ -74,12 +77,13 @@ def test_a_shipped_tree_fitted_on_another_machine_is_fitted_here_once(kind, tmp_
 
 @pytest.mark.real
 def test_a_head_named_by_path_is_not_rewritten_but_warned_of(monkeypatch, capsys):
-    from specdecode import machine
-    from specdecode.api import load_model, make_eagle
+    from specdecode.policy import machine
+    from specdecode.api import load_model
+    from specdecode.heads.loading import eagle_drafter
 
     monkeypatch.setattr(machine, "fingerprint", lambda: {"cpu": "a test CPU", "kernel": "avx2", "threads": 2})
     with pytest.warns(UserWarning, match="fitted on another machine.*--reshape-only --from"):
-        drafter = make_eagle(load_model("smollm2-135m-instruct"), str(SHIPPED / "eagle"))
+        drafter = eagle_drafter(load_model("smollm2-135m-instruct"), str(SHIPPED / "eagle"))
     assert "fitting the" not in capsys.readouterr().err
     shipped = json.loads((SHIPPED / "eagle" / eagle.CONFIG_FILE).read_text())["tree"]
     assert drafter.depth == shipped["depth"]  # the shipped shape, as it is
@@ -91,28 +95,29 @@ def test_a_refit_of_a_shipped_head_since_replaced_gives_way_to_the_new_one(tmp_p
     over for it, and the new one is fitted in its place; a head trained here is kept."""
     import dataclasses
 
-    from specdecode import machine
-    from specdecode.api import Model, load_model, make_eagle
+    from specdecode.policy import machine
+    from specdecode.api import Model, load_model
+    from specdecode.heads.loading import eagle_drafter
 
     monkeypatch.setattr(machine, "fingerprint", lambda: {"cpu": "a test CPU", "kernel": "avx2", "threads": 2})
     loaded = load_model("smollm2-135m-instruct")
     target = Model(loaded.model, loaded.tokenizer, dataclasses.replace(loaded.info, folder=tmp_path))
-    make_eagle(target)
+    eagle_drafter(target)
     assert capsys.readouterr().err.count("fitting the") == 1
     record = json.loads((tmp_path / "eagle" / eagle.CONFIG_FILE).read_text())["tree"]
-    assert record[medusa.REFIT_KEY] == medusa.shipped_hash(SHIPPED / "eagle")
+    assert record[artifacts.REFIT_KEY] == artifacts.shipped_hash(SHIPPED / "eagle")
     assert eagle.find("smollm2-135m-instruct", tmp_path) == tmp_path / "eagle"
 
-    monkeypatch.setattr(medusa, "shipped_hash", lambda folder: "a newer head")  # the package's head changed
+    monkeypatch.setattr(artifacts, "shipped_hash", lambda folder: "a newer head")  # the package's head changed
     assert eagle.find("smollm2-135m-instruct", tmp_path) == SHIPPED / "eagle"
-    make_eagle(target)
+    eagle_drafter(target)
     assert capsys.readouterr().err.count("fitting the") == 1  # fitted again, over the stale copy
     record = json.loads((tmp_path / "eagle" / eagle.CONFIG_FILE).read_text())["tree"]
-    assert record[medusa.REFIT_KEY] == "a newer head"
+    assert record[artifacts.REFIT_KEY] == "a newer head"
     assert eagle.find("smollm2-135m-instruct", tmp_path) == tmp_path / "eagle"
 
     record = json.loads((tmp_path / "eagle" / eagle.CONFIG_FILE).read_text())
-    del record["tree"][medusa.REFIT_KEY]  # as a head trained here records it: no shipped source
+    del record["tree"][artifacts.REFIT_KEY]  # as a head trained here records it: no shipped source
     (tmp_path / "eagle" / eagle.CONFIG_FILE).write_text(json.dumps(record))
-    monkeypatch.setattr(medusa, "shipped_hash", lambda folder: "yet another")
+    monkeypatch.setattr(artifacts, "shipped_hash", lambda folder: "yet another")
     assert eagle.find("smollm2-135m-instruct", tmp_path) == tmp_path / "eagle"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdecode.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
 
 
 def probs_of(logits, **config) -> list[float]:

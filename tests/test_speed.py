@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.errors import SpecDecodeError
-from specdecode.speed import Timing, format_speed, run_speed
+from specdecode.commands.speed import Timing, format_speed, run_speed
 
 
 def test_timing_splits_the_first_token_from_the_decoding_rate():

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.acceptance import rejection_tree
-from specdecode.sampling import sample
-from specdecode.trees import Tree, build_tree
+from specdecode.core.acceptance import rejection_tree
+from specdecode.core.sampling import sample
+from specdecode.core.trees import Tree, build_tree
 from tests.test_acceptance import assert_distributed_as
 from tests.test_trees import EXAMPLE
 

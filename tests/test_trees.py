@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdecode.acceptance import (
+from specdecode.core.acceptance import (
     greedy_chain,
     greedy_tree,
     one_hot_probs,
@@ -20,8 +20,8 @@ from specdecode.acceptance import (
     rejection_tree,
 )
 from specdecode.models.native import NativeModel
-from specdecode.sampling import SamplingConfig, logits_to_probs, sample
-from specdecode.trees import Tree, build_tree, chain_tree, full_tree, tree_attention
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.core.trees import Tree, build_tree, chain_tree, full_tree, tree_attention
 from tests.test_acceptance import random_probs
 
 # root ─┬─ 1 = (0,) ─┬─ 3 = (0, 0) ── 5 = (0, 0, 0)

@@ -1,27 +1,29 @@
-"""The small interfaces drafters implement.
+"""The base classes every drafter derives from.
 
 A chain drafter sees the whole token context (prompt + emitted tokens) and proposes up
 to k next tokens, with the distribution each was drawn from when it has one. It keeps
 its own state (a draft model's KV cache) in line with the context it is given, so the
 engine never tells it what was accepted: the next context says so.
 
-A tree drafter proposes a tree of candidates instead (trees.py): several continuations
-verified in one target pass. Drafters that read the target's own hidden states (Medusa,
-EAGLE) name the layers in `target_layers`; the engine then hands them, after each pass,
-the hidden states of the positions the target kept (`observe_target`).
+A tree drafter proposes a tree of candidates instead (core/trees.py): several
+continuations verified in one target pass. Drafters that read the target's own hidden
+states (Medusa, EAGLE) name the layers in `target_layers`; the engine then hands them,
+after each pass, the hidden states of the positions the target kept (`observe_target`).
+
+The hooks the engine calls on every drafter (`reset`, `gate`, `observe_target`) do
+nothing by default, so the engine never probes for them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import Sequence
 
 import torch
 
-from ..sampling import SamplingConfig
-
-if TYPE_CHECKING:
-    from ..trees import Tree
+from specdecode.core.sampling import SamplingConfig
+from specdecode.core.trees import Tree
+from specdecode.policy.gate import TreeGate
 
 
 @dataclass(frozen=True)
@@ -32,25 +34,40 @@ class Proposal:
 
 @dataclass(frozen=True)
 class TreeProposal:
-    tree: "Tree"  # trees.Tree: node 0 is the root, the last context token
+    tree: Tree  # node 0 is the root, the last context token
     tokens: torch.Tensor  # (N,) long, the tokens of nodes 1..N
     probs: torch.Tensor | None = None  # (N, V_target): the distribution each node was drawn from, given
     # its parent and its earlier siblings (acceptance.rejection_tree); None = deterministic
 
 
-class TreeDrafter(Protocol):
-    name: str
-    target_layers: tuple[int, ...]  # hidden states it needs from the target (may be empty)
+class Drafter:
+    """A chain drafter: proposes up to k tokens after a context."""
 
-    def propose_tree(self, context: Sequence[int], max_depth: int, sampling: SamplingConfig,
-                     generator: torch.Generator | None) -> TreeProposal: ...
+    name: str = "drafter"
+    is_tree: bool = False
+    target_layers: tuple[int, ...] = ()  # hidden states it needs from the target (may be empty)
+
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingConfig,
+                generator: torch.Generator | None) -> Proposal:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """A new generation starts: forget state that follows the target's features."""
+
+    def gate(self) -> TreeGate | None:
+        """A fresh on/off gate for this generation; None: always on."""
+        return None
 
     def observe_target(self, hidden: dict[int, torch.Tensor]) -> None:
         """Hidden states (n, H) per layer of the positions the target just kept, in order."""
 
 
-class Drafter(Protocol):
-    name: str
+class TreeDrafter(Drafter):
+    """A drafter that proposes a tree of candidates; `max_nodes` bounds the tree's size."""
 
-    def propose(self, context: Sequence[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Proposal: ...
+    is_tree = True
+    max_nodes: int = 0
+
+    def propose_tree(self, context: Sequence[int], max_depth: int, sampling: SamplingConfig,
+                     generator: torch.Generator | None) -> TreeProposal:
+        raise NotImplementedError

@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from ..errors import SpecDecodeError
-from ..sampling import SamplingConfig, logits_to_probs, sample
-from .base import Proposal
+from specdecode.errors import SpecDecodeError
+from specdecode.core.sampling import SamplingConfig, logits_to_probs, sample
+from specdecode.drafters.base import Drafter, Proposal
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
@@ -36,7 +36,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class DraftModel:
+class DraftModel(Drafter):
     name = "draft-model"
 
     def __init__(self, model, target_vocab_size: int, max_len: int = 4096):

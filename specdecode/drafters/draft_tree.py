@@ -18,15 +18,14 @@ from typing import Sequence
 
 import torch
 
-from ..sampling import SamplingConfig
-from ..trees import Tree, build_tree, full_tree, tree_attention
-from .base import TreeProposal
-from .draft_model import DraftModel
+from specdecode.core.sampling import SamplingConfig
+from specdecode.core.trees import Tree, build_tree, full_tree, tree_attention
+from specdecode.drafters.base import TreeDrafter, TreeProposal
+from specdecode.drafters.draft_model import DraftModel
 
 
-class DraftTree:
+class DraftTree(TreeDrafter):
     name = "draft-tree"
-    target_layers: tuple[int, ...] = ()
 
     def __init__(self, draft: DraftModel, widths: Sequence[int]):
         self.draft = draft

@@ -21,13 +21,14 @@ from typing import Sequence
 
 import torch
 
-from ..adaptive import AdaptiveK, FixedK
-from .base import Proposal
-from .draft_model import DraftModel, _common_prefix
-from .prompt_lookup import PromptLookup
+from specdecode.core.draft_length import FixedK
+from specdecode.policy.adaptive import AdaptiveK
+from specdecode.drafters.base import Drafter, Proposal
+from specdecode.drafters.draft_model import DraftModel, _common_prefix
+from specdecode.drafters.prompt_lookup import PromptLookup
 
 
-class LookupOrModel:
+class LookupOrModel(Drafter):
     name = "hybrid"
 
     def __init__(self, model: DraftModel, lookup_k: int = 8, model_k: int | AdaptiveK = 3, min_ngram: int = 2):

@@ -12,11 +12,11 @@ from typing import Sequence
 
 import torch
 
-from ..errors import SpecDecodeError
-from .base import Proposal
+from specdecode.errors import SpecDecodeError
+from specdecode.drafters.base import Drafter, Proposal
 
 
-class PromptLookup:
+class PromptLookup(Drafter):
     name = "prompt-lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):

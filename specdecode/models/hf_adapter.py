@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from .native import ForwardOutput
+from specdecode.models.native import ForwardOutput
 
 
 class HFCache:

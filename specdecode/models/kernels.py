@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import SpecDecodeError
-from .huge_pages import on_huge_pages
-from .store import home
+from specdecode.errors import SpecDecodeError
+from specdecode.models.huge_pages import on_huge_pages
+from specdecode.models.store import home
 
 KERNEL_ENV = "SPECDECODE_KERNEL"
 KINDS = ("amx", "avx2")  # the builds, best first

@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import kernels
+from specdecode.models import kernels
 
 
 @functools.cache

@@ -8,17 +8,18 @@ streams at the same rate as fp32 (measured in `linear.py`), so a step costs abou
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import SpecDecodeError
-from .config import UnsupportedModel
-from .hf_adapter import HFModel
-from .native import NativeModel
-from .store import resolve
+from specdecode.errors import SpecDecodeError
+from specdecode.models.config import UnsupportedModel
+from specdecode.models.hf_adapter import HFModel
+from specdecode.models.native import NativeModel
+from specdecode.models.store import resolve
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 DEFAULT_DTYPE = "bf16"
@@ -42,6 +43,21 @@ class ModelInfo:
     folder: Path
     sha256: str | None
     eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded model with its tokenizer and where it came from."""
+
+    model: object
+    tokenizer: object
+    info: ModelInfo
+
+
+@functools.lru_cache(maxsize=4)
+def load_model(source: str, dtype: str | None = None, backend: str = "auto") -> LoadedModel:
+    """`load`, kept for the life of the process, keyed by (source, dtype, backend)."""
+    return LoadedModel(*load(source, dtype, backend))
 
 
 def load(source: str, dtype: str | torch.dtype | None = None, backend: str = "auto", progress: bool = True):

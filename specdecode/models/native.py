@@ -40,13 +40,13 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import kernels
-from .config import ModelConfig
-from .kv_cache import BLOCK, KVCache
-from .layer_ops import FusedOps, TorchOps, layer_ops
-from .linear import ROW_INVARIANT_ROWS, Linear
-from .path_attention import PathPlan, plan_paths
-from .weights import load_weights
+from specdecode.models import kernels
+from specdecode.models.config import ModelConfig
+from specdecode.models.kv_cache import BLOCK, KVCache
+from specdecode.models.layer_ops import FusedOps, TorchOps, layer_ops
+from specdecode.models.linear import ROW_INVARIANT_ROWS, Linear
+from specdecode.models.path_attention import PathPlan, plan_paths
+from specdecode.models.weights import load_weights
 
 
 @dataclass

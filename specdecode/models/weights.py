@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .store import MANIFEST  # marks a folder the conversion cache wrote
+from specdecode.models.store import MANIFEST  # marks a folder the conversion cache wrote
 
 BF16_FILE = "model.bf16.safetensors"
 

@@ -4,11 +4,11 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from specdecode.drafters import DraftModel, PromptLookup
-from specdecode.engine import decode
-from specdecode.events import collect
+from specdecode.core.engine import decode
+from specdecode.core.events import collect
 from specdecode.models.hf_adapter import HFModel
 from specdecode.models.load import _load_model
-from specdecode.stopping import StopCondition
+from specdecode.core.stopping import StopCondition
 
 
 def test_other_architecture_falls_back_and_decodes_like_transformers(tmp_path):

@@ -1,0 +1,357 @@
+"""The `specdecode` command: a thin dispatcher over subcommands.
+
+    specdecode models | pull NAME | generate | check | speed | bench | tune | train | demo
+
+User errors (`SpecDecodeError`) print one line on stderr and exit with status 2. Each
+command imports its module when it runs: torch and transformers take seconds to load,
+and flags are checked before they do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdecode.commands import models as cli_models
+from specdecode.errors import SpecDecodeError
+from specdecode.options import BENCH_METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS, HYBRID, TUNABLE, check_request
+from specdecode.suites import SUITES, load_prompt_file, load_suite
+
+ACCEPTED_STYLE = ("\033[32m", "\033[0m")  # drafted-and-accepted tokens in green
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None, help="makes sampled output repeatable")
+
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a reply, streamed, optionally with speculation")
+    p.add_argument("--target", default=DEFAULT_TARGET, help="registry name, transformers folder or .gguf")
+    p.add_argument("--draft", help="draft model (registry name or path); implies --drafter draft-model")
+    p.add_argument("--drafter", choices=DRAFTERS, help="how to draft; none = plain decoding")
+    p.add_argument("--k", type=_k_value, default=None,
+                   help="draft tokens per round, or 'auto' to adapt k to the acceptance seen")
+    p.add_argument("--profile", help="a profile from `specdecode tune`: it picks the drafter (unless given) "
+                   "and seeds an adaptive k with measured costs")
+    p.add_argument("--category", help="the profile's category of this prompt (default: the mean over categories)")
+    p.add_argument("--heads", "--head", dest="heads",
+                   help="Medusa heads / EAGLE head folder (default: the ones trained for the target)")
+    p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--raw", action="store_true", help="no chat template: the prompt is raw text")
+    p.add_argument("--dtype", default=None, help="bf16 (default) or fp32")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    p.add_argument("--show-accepted", action="store_true", help="mark drafted-and-accepted tokens in green")
+    add_sampling_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def _k_value(text: str):
+    return text if text == "auto" else int(text)
+
+
+def run_generate(args) -> int:
+    check_request(args.drafter, args.draft, args.k, args.profile, args.category, args.heads)
+    if args.max_new_tokens < 0:
+        raise SpecDecodeError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    from specdecode.api import Generation, load_model, stream
+    from specdecode.core.events import Round
+    from specdecode.core.stopping import StopCondition
+    from specdecode.commands.textstream import TextStream
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    events = stream(prompt, args.target, draft=args.draft, drafter=args.drafter, k=args.k,
+                    max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=not args.raw, dtype=args.dtype,
+                    profile=args.profile, category=args.category, heads=args.heads)
+    tokenizer = None
+    tokens: list[int] = []
+    text_stream = None
+    for event in events:
+        if tokenizer is None:
+            tokenizer = load_model(args.target, args.dtype).tokenizer
+            text_stream = TextStream(tokenizer)
+        if not isinstance(event, Round):
+            break
+        tokens += event.token_ids
+        if args.json:
+            continue
+        accepted, rest = event.token_ids[:event.num_accepted], event.token_ids[event.num_accepted:]
+        if args.show_accepted and accepted:
+            sys.stdout.write(ACCEPTED_STYLE[0] + text_stream.add(accepted) + ACCEPTED_STYLE[1])
+        else:
+            rest = event.token_ids
+        sys.stdout.write(text_stream.add(rest))
+        sys.stdout.flush()
+    stop = StopCondition(stop_strings=tuple(args.stop), tokenizer=tokenizer)
+    text = stop.cut_text(tokenizer.decode(tokens, skip_special_tokens=True))
+    result = Generation(text, tokens, event.reason, event.stats)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        s = event.stats
+        print(f"\n[{s.new_tokens} tokens, {s.tokens_per_s:.2f} tok/s, finish: {event.reason}"
+              + (f", α {s.acceptance_rate:.2f}, τ {s.mean_accepted_length:.2f}" if s.draft_tokens else "") + "]",
+              file=sys.stderr)
+    return 0
+
+
+def add_speed(sub) -> None:
+    p = sub.add_parser("speed", help="plain decoding: native vs transformers, and the memory-bandwidth limit")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--dtype", default=None, help="bf16 (default) or fp32; both backends use it")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_speed_cmd)
+
+
+def run_speed_cmd(args) -> int:
+    from specdecode.commands.speed import format_speed, run_speed
+
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    result = run_speed(args.target, args.dtype, args.new_tokens, args.repeats, log=log)
+    print(json.dumps(result) if args.json else format_speed(result))
+    return 0
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_questions_args(p: argparse.ArgumentParser, default_limit: int) -> None:
+    p.add_argument("--suites", type=_csv, default=list(SUITES), help=f"categories (default: {','.join(SUITES)})")
+    p.add_argument("--prompts", help="a Spec-Bench / MT-bench question file (JSONL) instead of the suites")
+    p.add_argument("--limit", type=int, default=default_limit, help="prompts per category")
+
+
+def load_questions(args):
+    if args.limit is not None and args.limit < 1:
+        raise SpecDecodeError(f"--limit must be >= 1, got {args.limit}")
+    if args.prompts:
+        questions, counts = [], {}
+        for q in load_prompt_file(args.prompts):
+            counts[q.category] = counts.get(q.category, 0) + 1
+            if args.limit is None or counts[q.category] <= args.limit:
+                questions.append(q)
+        return questions
+    return [q for name in args.suites for q in load_suite(name, args.limit)]
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="every method vs plain decoding and transformers, per task category")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft-model and adaptive ('' = none)")
+    p.add_argument("--methods", type=_csv, default=None,
+                   help=f"of {','.join(BENCH_METHODS)} (default: all but medusa and eagle, which need trained heads; "
+                        "tuned only with --profile)")
+    p.add_argument("--k", type=_csv, default=["2", "3", "4"], help="draft lengths for the draft model")
+    p.add_argument("--lookup-k", type=int, default=4, help="draft length for prompt lookup")
+    p.add_argument("--tree-widths", type=_csv, default=["2x2x1", "3x1x1"],
+                   help="draft-tree shapes: top-w candidates per depth, e.g. 2x2x1 (at most 10 nodes)")
+    add_questions_args(p, default_limit=10)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run transformers' generate: plain, assisted, prompt lookup")
+    p.add_argument("--profile", help="a `specdecode tune` profile for the tuned method")
+    p.add_argument("--out", default="out/bench", help="folder for results.json, report.md and plots")
+    p.set_defaults(func=run_bench_cmd)
+
+
+def run_bench_cmd(args) -> int:
+    from pathlib import Path
+
+    from specdecode.commands.bench import run_bench
+    from specdecode.commands.report import table, verdict_table, write_report
+    from specdecode.policy.profile import Profile
+
+    ks = tuple(int(k) for k in args.k)
+    if any(k < 1 for k in ks):
+        raise SpecDecodeError(f"every k must be >= 1, got {','.join(args.k)}")
+    if args.repeats < 1:
+        raise SpecDecodeError("--repeats must be >= 1")
+    tree_widths = tuple(_widths(w) for w in args.tree_widths)
+    questions = load_questions(args)
+    profile = Profile.load(args.profile) if args.profile else None
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    methods = args.methods or [m for m in BENCH_METHODS if (m != "tuned" or profile is not None)
+                               and m not in ("medusa", "eagle")
+                               and (args.draft or m not in ("draft-model", "adaptive"))]
+    result = run_bench(questions, args.target, args.draft or None, tuple(methods), ks, args.lookup_k,
+                       args.max_new_tokens, args.repeats, args.temperature, args.seed, args.peers, profile, log=log,
+                       tree_widths=tree_widths)
+    for path in write_report(result, Path(args.out)):
+        log(f"wrote {path}")
+    print(table(result))
+    verdict = verdict_table(result)
+    if verdict:
+        print("\n" + verdict)
+    return 0
+
+
+def _widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.split("x"))
+    except ValueError:
+        raise SpecDecodeError(f"a tree shape is widths per depth like 2x2x1, got {text!r}") from None
+    nodes, level = 0, 1
+    for w in widths:
+        level *= w
+        nodes += level
+    if not widths or min(widths) < 1 or nodes > 10:
+        raise SpecDecodeError(f"tree {text}: widths must be >= 1 and give at most 10 nodes (it has {nodes}): "
+                              "more rows would round differently in a bf16 verify pass")
+    return widths
+
+
+def add_tune(sub) -> None:
+    p = sub.add_parser("tune", help="measure costs and acceptance; choose drafter and k (or off) per category")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the draft-model drafter ('' = none)")
+    p.add_argument("--drafters", type=_csv, default=list(TUNABLE),
+                   help=f"of {','.join(TUNABLE)} (without --draft: prompt-lookup only); tree drafters choose "
+                   "their trees when trained")
+    add_questions_args(p, default_limit=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--out", help="profile path (default: $SPECDECODE_HOME/profiles/TARGET+DRAFT.json)")
+    p.set_defaults(func=run_tune_cmd)
+
+
+def run_tune_cmd(args) -> int:
+    from specdecode.commands.tune import run_tune
+    from specdecode.policy.profile import default_profile_path
+
+    drafters = [d for d in args.drafters if d not in ("draft-model", HYBRID) or args.draft]
+    unknown = [d for d in drafters if d not in TUNABLE]
+    if unknown or not drafters:
+        raise SpecDecodeError(f"--drafters must name some of {', '.join(TUNABLE)} "
+                              "(draft-model and hybrid need --draft)")
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    profile = run_tune(args.target, drafters, args.draft or None, load_questions(args), args.max_new_tokens,
+                       k_max=args.k_max, log=log)
+    path = profile.save(args.out or default_profile_path(args.target, profile.drafters.get("draft-model", {}).get("draft")))
+    singles = [name for name in profile.drafters if name in drafters and name != HYBRID]
+    hybrid = " hybrid probe" if HYBRID in profile.drafters else ""
+    print(f"{'category':<16}" + "".join(f" {'α ' + name:>18}" for name in singles)
+          + f"{hybrid} {'chosen':>14} {'k':>4} {'expected':>9}")
+    for name, c in profile.categories.items():
+        probe = c.get("hybrid")
+        print(f"{name:<16}" + "".join(f" {c['alpha'][d]:>18.2f}" for d in singles)
+              + (f" {probe['tokens'] / probe['cost']:>11.2f}x" if probe else "")
+              + f" {c['drafter']:>14} {c['k'] or 'off':>4} {c['expected_speedup']:>8.2f}x")
+    one = profile.verify_seconds[1]
+    print("draft step / plain step c: " + ", ".join(f"{n} {d['step_s'] / one:.3f}" for n, d in profile.drafters.items())
+          + f"; verify 8 / 1 = {profile.costs(drafters[0]).verify(8):.2f}, "
+          f"64 / 1 = {profile.costs(drafters[0]).verify(64):.2f}")
+    print(f"saved {path}  (use: specdecode generate --profile {path} [--category NAME])")
+    return 0
+
+
+def add_train(sub) -> None:
+    p = sub.add_parser("train", help="train drafter heads on a frozen target (self-distillation)")
+    kinds = p.add_subparsers(dest="kind", required=True)
+    m = kinds.add_parser("medusa", help="Medusa heads: extra heads on the target's last hidden state")
+    m.add_argument("--heads", type=int, default=3, help="number of heads (offsets +2, +3, ...)")
+    e = kinds.add_parser("eagle", help="an EAGLE head: one decoder layer predicting the target's next feature")
+    e.add_argument("--intermediate-size", type=int,
+                   help="width of the head's MLP (default: the target's); narrower drafts faster")
+    e.add_argument("--feature-layers", type=_layer_list, default=(),
+                   help="target layers the head reads, fused, as EAGLE-3 does, e.g. 2,15,27 "
+                        "(default: the final layer alone)")
+    for kind in (m, e):
+        kind.add_argument("--target", default=DEFAULT_TARGET)
+        kind.add_argument("--tokens", type=int, default=100_000, help="tokens of standard-library source")
+        kind.add_argument("--answers", type=int, default=24, help="prompts the target answers for training")
+        kind.add_argument("--answer-tokens", type=int, default=128)
+        kind.add_argument("--epochs", type=float, default=2.0)
+        kind.add_argument("--out", help="artifact folder (default: beside the target's cached weights)")
+        kind.add_argument("--reshape-only", action="store_true",
+                          help="no training: choose the tree of the existing heads again, for this machine")
+        kind.add_argument("--from", dest="source", help="with --reshape-only: the heads' folder (default: the "
+                          "ones trained or shipped for the target); eagle without it: a head to continue training")
+        kind.set_defaults(func=run_train_cmd)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of layer numbers, not {text!r}") from None
+
+
+def run_train_cmd(args) -> int:
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.source and not args.reshape_only and args.kind != "eagle":
+        raise SpecDecodeError("--from goes with --reshape-only (or with train eagle, to continue a head)")
+    if args.reshape_only:
+        from specdecode.heads.refit import reshape_eagle, reshape_medusa
+
+        reshape = reshape_medusa if args.kind == "medusa" else reshape_eagle
+        folder = reshape(args.target, args.source, args.out, log=log)
+    elif args.kind == "medusa":
+        from specdecode.heads.medusa.train import run_train_medusa
+
+        folder = run_train_medusa(args.target, args.heads, args.tokens, args.answers, args.answer_tokens,
+                                  args.epochs, args.out, log=log)
+    else:
+        from specdecode.heads.eagle.train import run_train_eagle
+
+        folder = run_train_eagle(args.target, args.tokens, args.answers, args.answer_tokens, args.epochs,
+                                 args.out, args.intermediate_size, log=log, start=args.source,
+                                 feature_layers=args.feature_layers)
+    print(f"saved {folder}  (use: specdecode generate --target {args.target} --drafter {args.kind})")
+    return 0
+
+
+def add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the default pair on a few prompts: speculative vs plain")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--k", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--profile", help="a `specdecode tune` profile: k chosen adaptively from its measurements")
+    p.set_defaults(func=run_demo_cmd)
+
+
+def run_demo_cmd(args) -> int:
+    from specdecode.commands.demo import run_demo
+
+    run_demo(max_new_tokens=args.max_new_tokens, k=args.k, dtype=args.dtype, profile=args.profile)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    cli_models.add_commands(sub)
+    add_generate(sub)
+    add_speed(sub)
+    add_bench(sub)
+    add_tune(sub)
+    add_train(sub)
+    add_demo(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecDecodeError as err:
+        print(f"specdecode: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nspecdecode: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

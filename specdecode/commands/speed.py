@@ -1,0 +1,191 @@
+"""`specdecode speed`: plain decoding, native backend vs transformers, side by side.
+
+Both run greedy decoding of the same prompt to the same forced length, in the same
+dtype and process, interleaved (native, transformers, native, ...) after a warm-up; the
+median of the repeats is reported (../shared/benchmark.md).
+
+Tokens/s is the decoding rate: the tokens after the first over the time after the first,
+so the prompt's prefill (one pass over every prompt token, which yields the first token)
+is timed apart, as `prefill_s`. The end-to-end rate, prefill included, is reported too.
+Beside them stands the physical limit of a decoding step: the weight bytes one step must
+stream, divided by the memory read bandwidth measured in this run: the best of two
+streaming reads (a sum and an fp32 matrix-vector product) of a buffer four times the size
+of the last-level cache, on ordinary and on huge pages.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdecode.core.engine import decode
+from specdecode.errors import SpecDecodeError
+from specdecode.core.events import Done
+from specdecode.models.huge_pages import on_huge_pages
+from specdecode.models.load import load, parse_dtype
+from specdecode.core.prompts import encode_prompt
+from specdecode.core.stopping import StopCondition
+
+SPEED_PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
+
+
+def measure_bandwidth(megabytes: int = 2048, repeats: int = 3) -> float:
+    """Bytes per second of the fastest streaming read of an fp32 buffer of `megabytes`.
+
+    The buffer must dwarf the last-level cache (480 MB on this machine), or the figure
+    measures the cache: a 50 MB matrix "streams" at 49 GB/s here, a 2 GB buffer at 30.
+    """
+    cols = 4096
+    vector = torch.ones(1, cols, dtype=torch.float32)
+    best = 0.0
+    for pages in ("small", "huge"):  # the weights stream from huge pages (models/huge_pages.py): so may this
+        matrix = torch.ones(megabytes * 2**20 // 4 // cols, cols, dtype=torch.float32)
+        if pages == "huge":
+            matrix = on_huge_pages(matrix)
+        best = max(best, _fastest_read(matrix, vector, repeats))
+        del matrix  # freed before the next buffer is made: a peak of 2 GB, not 4
+    return best
+
+
+def _fastest_read(matrix: torch.Tensor, vector: torch.Tensor, repeats: int) -> float:
+    """Bytes per second of the fastest of a sum and a matrix-vector product over matrix."""
+    best = 0.0
+    for read in (lambda: matrix.sum(), lambda: torch.nn.functional.linear(vector, matrix)):
+        read()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            read()
+            best = max(best, matrix.numel() * 4 / (time.perf_counter() - t))
+    return best
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One generation: seconds from the call to the first new token, and after it."""
+
+    prefill_s: float
+    decode_s: float
+    new_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The decoding rate: the tokens after the first over the time after the first."""
+        return (self.new_tokens - 1) / self.decode_s
+
+    @property
+    def end_to_end_tokens_per_s(self) -> float:
+        return self.new_tokens / (self.prefill_s + self.decode_s)
+
+
+def _time_native(model, prompt_ids: list[int], new_tokens: int) -> Timing:
+    stop = StopCondition(max_new_tokens=new_tokens)  # no EOS: force the length
+    count, first_at = 0, None
+    t = time.perf_counter()
+    for event in decode(model, prompt_ids, stop):
+        if isinstance(event, Done):
+            break
+        count += len(event.token_ids)
+        if first_at is None:  # the prefill's round: the first token
+            first_at = time.perf_counter()
+    end = time.perf_counter()
+    assert count == new_tokens, (count, new_tokens)
+    return Timing(first_at - t, end - first_at, new_tokens)
+
+
+class _FirstTokenClock:
+    """A `generate` streamer that notes when the first new token comes: its first `put`
+    is the prompt, its second the first new token."""
+
+    def __init__(self):
+        self.puts, self.first_at = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _time_transformers(hf_model, prompt_ids: list[int], new_tokens: int) -> Timing:
+    ids = torch.tensor([prompt_ids])
+    clock = _FirstTokenClock()
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock)
+    end = time.perf_counter()
+    assert out.shape[1] - ids.shape[1] == new_tokens and clock.first_at is not None
+    return Timing(clock.first_at - t, end - clock.first_at, new_tokens)
+
+
+def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repeats: int = 3,
+              log=print, bandwidth_megabytes: int = 2048) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    if new_tokens < 2 or repeats < 1:
+        raise SpecDecodeError(f"speed needs --new-tokens >= 2 and --repeats >= 1, got {new_tokens} and {repeats}")
+    torch_dtype = parse_dtype(dtype)
+    model, tokenizer, info = load(target, torch_dtype, backend="native")
+    log(f"loading transformers' model from {info.folder}")
+    hf_model = AutoModelForCausalLM.from_pretrained(str(info.folder), dtype=torch_dtype).eval()
+    prompt_ids = encode_prompt(tokenizer, SPEED_PROMPT)
+
+    log("warming up")
+    _time_native(model, prompt_ids, 4)
+    _time_transformers(hf_model, prompt_ids, 4)
+    native, hf = [], []
+    for r in range(repeats):
+        native.append(_time_native(model, prompt_ids, new_tokens))
+        hf.append(_time_transformers(hf_model, prompt_ids, new_tokens))
+        log(f"repeat {r + 1}/{repeats}: native {native[-1].tokens_per_s:.2f} tok/s, "
+            f"transformers {hf[-1].tokens_per_s:.2f} tok/s")
+    bandwidth = measure_bandwidth(bandwidth_megabytes)
+
+    def median(timings: list[Timing], rate: str) -> float:
+        return statistics.median(getattr(t, rate) for t in timings)
+
+    native_tps, hf_tps = median(native, "tokens_per_s"), median(hf, "tokens_per_s")
+    limit_tps = bandwidth / model.weight_bytes_per_token
+    return {
+        "target": target,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "new_tokens": new_tokens,
+        "prompt_tokens": len(prompt_ids),
+        "repeats": repeats,
+        "native_tokens_per_s": round(native_tps, 3),
+        "transformers_tokens_per_s": round(hf_tps, 3),
+        "ratio": round(native_tps / hf_tps, 3),
+        "native_prefill_s": round(statistics.median(t.prefill_s for t in native), 4),
+        "transformers_prefill_s": round(statistics.median(t.prefill_s for t in hf), 4),
+        "native_end_to_end_tokens_per_s": round(median(native, "end_to_end_tokens_per_s"), 3),
+        "transformers_end_to_end_tokens_per_s": round(median(hf, "end_to_end_tokens_per_s"), 3),
+        "weight_bytes_per_token": model.weight_bytes_per_token,
+        "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
+        "limit_tokens_per_s": round(limit_tps, 3),
+        "fraction_of_limit": round(native_tps / limit_tps, 3),
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+    }
+
+
+def format_speed(r: dict) -> str:
+    return "\n".join([
+        f"target {r['target']}, {r['dtype']}, {r['new_tokens']} new tokens, median of {r['repeats']}, "
+        f"{r['threads']} threads",
+        f"  decoding, after the first token (the prompt's prefill timed apart):",
+        f"  native        {r['native_tokens_per_s']:8.2f} tok/s   prefill {r['native_prefill_s']:.2f} s, "
+        f"end to end {r['native_end_to_end_tokens_per_s']:.2f} tok/s",
+        f"  transformers  {r['transformers_tokens_per_s']:8.2f} tok/s   prefill {r['transformers_prefill_s']:.2f} s, "
+        f"end to end {r['transformers_end_to_end_tokens_per_s']:.2f} tok/s",
+        f"  ratio         {r['ratio']:8.2f}x",
+        f"  limit         {r['limit_tokens_per_s']:8.2f} tok/s  ({r['weight_bytes_per_token'] / 1e9:.2f} GB per step "
+        f"at {r['bandwidth_gb_per_s']:.1f} GB/s measured)",
+        f"  native reaches {100 * r['fraction_of_limit']:.0f}% of the limit",
+    ])

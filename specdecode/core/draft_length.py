@@ -1,0 +1,35 @@
+"""How the engine asks for the draft length k each round.
+
+A policy answers `next_k()` before a round and is told `observe(num_drafted,
+num_accepted)` after it; `fresh()` gives an unobserved copy for a new generation.
+`FixedK` is the constant policy; the adaptive one lives in policy/adaptive.py.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class DraftLength(Protocol):
+    k_max: int
+
+    def next_k(self) -> int: ...
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None: ...
+
+    def fresh(self) -> "DraftLength": ...
+
+
+class FixedK:
+    def __init__(self, k: int):
+        self.k = k
+        self.k_max = k
+
+    def next_k(self) -> int:
+        return self.k
+
+    def fresh(self) -> "FixedK":
+        return self
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass

@@ -1,0 +1,45 @@
+"""Where a head (Medusa, EAGLE) for a target is found: trained or re-shaped here, beside
+the target's cached weights, first; else shipped with the package (specdecode/artifacts)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from specdecode.errors import SpecDecodeError
+
+SHIPPED = Path(__file__).resolve().parent.parent / "artifacts"
+
+
+def find_artifact(kind: str, config_file: str, target_name: str, target_folder: str | Path, what: str,
+                  flag: str) -> Path:
+    """A drafter artifact (`kind` = medusa | eagle) for a target: trained or re-shaped here
+    (beside the target's cached weights) first, else shipped with the package. A re-shaped
+    copy of a shipped artifact that has since been replaced (a newer package) is passed
+    over for the new one, which is then fitted again in its place."""
+    local, shipped = Path(target_folder) / kind, SHIPPED / target_name / kind
+    if (local / config_file).is_file() and not _refit_of_replaced(local / config_file, shipped / config_file):
+        return local
+    if (shipped / config_file).is_file():
+        return shipped
+    raise SpecDecodeError(f"no {what} for {target_name}: run `specdecode train {kind} --target {target_name}` "
+                          f"or pass {flag} PATH")
+
+
+REFIT_KEY = "refitted_from_shipped"  # in a re-shaped artifact's record: the shipped weights' hash
+
+
+def shipped_hash(folder: Path) -> str | None:
+    """The hash of the weights in `folder` when it is a shipped artifact, else None."""
+    folder = Path(folder).resolve()
+    if SHIPPED.resolve() not in folder.parents:
+        return None
+    weights = next(folder.glob("*.safetensors"), None)
+    return None if weights is None else hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
+
+
+def _refit_of_replaced(config_path: Path, shipped_config: Path) -> bool:
+    record = json.loads(config_path.read_text())
+    source = next((part[REFIT_KEY] for part in record.values() if isinstance(part, dict) and REFIT_KEY in part), None)
+    return source is not None and shipped_config.is_file() and source != shipped_hash(shipped_config.parent)

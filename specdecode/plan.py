@@ -1,0 +1,99 @@
+"""From what a front end asked for (flags or API arguments) to a drafter and its draft
+length: a fixed k, the adaptive policy, or what a tuning profile chose. The arguments
+were checked before any model loaded (options.check_request). Nothing here prints.
+"""
+
+from __future__ import annotations
+
+from specdecode.drafters import DraftModel, PromptLookup, check_same_tokenizer
+from specdecode.drafters.draft_tree import DraftTree
+from specdecode.drafters.hybrid import LookupOrModel
+from specdecode.errors import SpecDecodeError
+from specdecode.options import DEFAULT_DRAFT, check_request
+from specdecode.heads.loading import eagle_drafter, medusa_drafter
+from specdecode.models.load import LoadedModel, load_model
+from specdecode.policy.adaptive import AdaptiveK, CostModel
+from specdecode.policy.profile import HybridK, Profile
+
+# Top-2 at the first two depths, then top-1: 10 candidates, which with the root is the most
+# rows a bf16 verify pass keeps row-invariant on oneDNN (models/linear.py; AMX: any number).
+DEFAULT_TREE_WIDTHS = (2, 2, 1)
+
+
+def make_draft_model(target: LoadedModel, draft: LoadedModel) -> DraftModel:
+    check_same_tokenizer(target.tokenizer, draft.tokenizer)
+    return DraftModel(draft.model, target.model.vocab_size)
+
+
+def make_drafter(target: LoadedModel, drafter: str | None, draft: str | None, dtype: str | None,
+                 heads: str | None = None):
+    """The drafter a front end asked for: a name, or a draft model's name (implies draft-model)."""
+    check_request(drafter, draft, None, None, None, heads)
+    if drafter is None and draft is None:
+        return None
+    drafter = drafter or "draft-model"
+    if drafter == "prompt-lookup":
+        return PromptLookup()
+    if drafter == "medusa":
+        return medusa_drafter(target, heads)
+    if drafter == "eagle":
+        return eagle_drafter(target, heads)
+    draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
+    if drafter == "hybrid":  # without a profile: copies of up to 8, the model's k adaptive
+        return LookupOrModel(draft_model, 8, AdaptiveK(CostModel(estimated_draft_ratio(target, draft_model))))
+    return DraftTree(draft_model, DEFAULT_TREE_WIDTHS) if drafter == "draft-tree" else draft_model
+
+
+def tuned_drafter(profile: Profile, category: str | None, draft_model: DraftModel | None,
+                  drafter: str | None = None):
+    """(drafter, k or policy) that a tune profile picks for a category (None: any prompt).
+    draft_model serves the draft-model and hybrid drafters."""
+    name, policy = profile.choose(category, drafter)
+    if name == "prompt-lookup":
+        return PromptLookup(), policy
+    if draft_model is None:
+        raise SpecDecodeError(f"the profile picks the {name} drafter, which needs its draft model")
+    if isinstance(policy, HybridK):
+        hybrid = LookupOrModel(draft_model, policy.lookup_k, policy.model, policy.min_ngram)
+        return hybrid, hybrid.k_max
+    return draft_model, policy
+
+
+def plan(target: LoadedModel, drafter: str | None, draft: str | None, k: int | str | None, profile: str | None,
+         category: str | None, dtype: str | None = None, heads: str | None = None):
+    """(drafter, k or policy) for a request: a fixed k, "auto" (adaptive, costs estimated
+    from sizes), or a tuning profile, which also picks the drafter unless one is named."""
+    check_request(drafter, draft, k, profile, category, heads)
+    if profile is not None:
+        tuned = Profile.load(profile)
+        if drafter not in (None, *tuned.drafters):
+            raise SpecDecodeError(f"the profile measured {', '.join(tuned.drafters)}; pass --profile or "
+                                  f"--drafter {drafter}, not both")
+        name, _ = tuned.choose(category, drafter or ("draft-model" if draft else None))
+        draft_model = None
+        if name != "prompt-lookup":
+            draft_model = make_draft_model(target, load_model(draft or tuned.drafters[name]["draft"], dtype))
+        return tuned_drafter(tuned, category, draft_model, name)
+    the_drafter = make_drafter(target, drafter, draft, dtype, heads)
+    if the_drafter is None:
+        return None, 0
+    if the_drafter.is_tree:
+        return the_drafter, 0
+    if isinstance(the_drafter, LookupOrModel):
+        return the_drafter, the_drafter.k_max
+    if k is None or k == "auto":
+        return the_drafter, policy_for(target, the_drafter)
+    return the_drafter, k
+
+
+def policy_for(target: LoadedModel, drafter) -> AdaptiveK:
+    """The default draft length of a chain drafter: the adaptive policy, which drafts
+    only as far as it pays and switches drafting off where it does not."""
+    return AdaptiveK(CostModel(draft_ratio=estimated_draft_ratio(target, drafter)))
+
+
+def estimated_draft_ratio(target: LoadedModel, drafter) -> float:
+    """c before any measurement: decoding streams weights, so the ratio of weight bytes."""
+    if isinstance(drafter, DraftModel):
+        return drafter.model.weight_bytes_per_token / target.model.weight_bytes_per_token
+    return 0.0  # prompt lookup: a scan of the context

@@ -1,0 +1,124 @@
+"""Choosing the draft length k: the cost model, and a policy that adapts k at run time.
+
+Cost model (docs/design.md). With per-position acceptance α (i.i.d.), a round with k drafts
+emits E(α, k) = (1 - α^(k+1)) / (1 - α) tokens and costs k draft steps plus a target pass
+over k+1 tokens. In units of one plain decoding step:
+
+    cost(k) = k · c + v(k+1),   c = draft step / plain step,  v(n) = pass over n / pass over 1
+
+so the expected speedup over plain decoding is E(α, k) / cost(k), and k = 0 (drafting
+off) is plain decoding, speedup 1. `best_k` maximises expected tokens per second, not
+acceptance: a longer draft is accepted more in total but may cost more than it brings.
+
+`AdaptiveK` re-estimates α during a generation from what the target accepted (the
+maximum-likelihood estimate for a geometric run: accepted / (accepted + rejections)),
+with exponential forgetting so a change of topic is followed, and picks the best k each
+round. When drafting does not pay it switches off, and probes with k = 1 every
+`probe_every` rounds so that it notices when drafting starts to pay again.
+
+It follows the engine's draft-length interface (core/draft_length.py), as `FixedK` does
+for a constant k; a drafter that keeps a policy of its own (the hybrid) takes a `fresh()`
+copy per generation. TreeGate (gate.py) is the on/off counterpart for tree drafters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Sequence
+
+# Target pass over n tokens / over one, n = 1..12: Qwen2.5-Coder-1.5B, bf16, 2 cores, after
+# 256 cached tokens, medians of 5 (`specdecode tune` measures it for any model and machine;
+# past 16 tokens it climbs: 1.4 at 24, 1.9 at 64). Used when no profile is given.
+DEFAULT_VERIFY_RATIOS = (1.0, 1.01, 1.01, 1.01, 1.01, 1.02, 1.02, 1.02, 1.03, 1.04, 1.04, 1.04)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E(α, k) = 1 + α + ... + α^k: tokens a round emits (accepted drafts + 1)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    draft_ratio: float  # c: one draft step / one plain target step
+    verify_ratios: Sequence[float] = DEFAULT_VERIFY_RATIOS  # [n-1]: pass over n tokens / pass over 1
+
+    def verify(self, num_tokens: int) -> float:
+        ratios = self.verify_ratios
+        if num_tokens <= len(ratios):
+            return ratios[num_tokens - 1]
+        slope = ratios[-1] - ratios[-2] if len(ratios) > 1 else 0.0  # extend the last step linearly
+        return ratios[-1] + slope * (num_tokens - len(ratios))
+
+    def cost(self, k: int) -> float:
+        return k * self.draft_ratio + self.verify(k + 1)
+
+    def speedup(self, alpha: float, k: int) -> float:
+        return expected_tokens(alpha, k) / self.cost(k) if k else 1.0
+
+
+def best_k(alpha: float, costs: CostModel, k_max: int) -> tuple[int, float]:
+    """(k, expected speedup) maximising expected tokens per second; k = 0 means off."""
+    return max(((k, costs.speedup(alpha, k)) for k in range(k_max + 1)), key=lambda kv: kv[1])
+
+
+def speedup_from_rounds(rounds: Sequence[tuple[int, int]], costs: CostModel, k: int) -> float:
+    """Expected speedup at draft length k, from greedy rounds (drafted d, accepted a)
+    observed at a probing length >= k.
+
+    With k drafts a round would have drafted min(d, k) and accepted min(a, k): greedy
+    drafts are the same first k tokens either way. No i.i.d. assumption, so bursty
+    acceptance (prompt lookup copying a long span, then finding nothing) counts as it is.
+    """
+    if k == 0 or not rounds:
+        return 1.0
+    tokens = sum(1 + min(a, k) for _, a in rounds)
+    cost = sum(costs.cost(min(d, k)) for d, _ in rounds)
+    return tokens / cost
+
+
+def best_k_from_rounds(rounds: Sequence[tuple[int, int]], costs: CostModel, k_max: int) -> tuple[int, float]:
+    """(k, expected speedup) maximising speedup_from_rounds; k = 0 means off."""
+    return max(((k, speedup_from_rounds(rounds, costs, k)) for k in range(k_max + 1)), key=lambda kv: kv[1])
+
+
+@dataclass
+class AdaptiveK:
+    costs: CostModel
+    k_max: int = 8
+    prior_alpha: float = 0.6
+    prior_weight: float = 4.0  # the prior counts as this many observed positions
+    forget: float = 0.9  # per round; about the last 10 rounds dominate
+    probe_every: int = 16
+    accepted: float = field(default=0.0, init=False)
+    positions: float = field(default=0.0, init=False)  # draft positions the target judged
+    rounds_off: int = field(default=0, init=False)
+    history: list[int] = field(default_factory=list, init=False)  # k chosen each round
+
+    def fresh(self) -> "AdaptiveK":
+        """The same policy before any observation: one per generation."""
+        return dataclasses.replace(self)
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.prior_alpha * self.prior_weight) / (self.positions + self.prior_weight)
+
+    def next_k(self) -> int:
+        k, _ = best_k(self.alpha, self.costs, self.k_max)
+        if k == 0:
+            self.rounds_off += 1
+            if self.rounds_off % self.probe_every == 0:
+                k = 1  # a cheap look: does drafting pay again?
+        else:
+            self.rounds_off = 0
+        self.history.append(k)
+        return k
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted == 0:
+            return
+        rejected = 1 if num_accepted < num_drafted else 0
+        self.accepted = self.forget * self.accepted + num_accepted
+        self.positions = self.forget * self.positions + num_accepted + rejected

@@ -1,0 +1,48 @@
+"""Which machine a measured cost belongs to.
+
+A tree drafter's shape (Medusa, EAGLE) and its on/off gate rest on costs measured where
+the shape was chosen: the verify pass over 1, 2, ... tokens and the head's step, in
+target steps. Those ratios move with the CPU and its kernels: the SmolLM2 heads shipped
+with the package were fitted on an Intel CPU with AMX, where a verify pass of four tokens
+costs little more than one; on an AMD Zen 3 (AVX2) the same trees ran at 0.82-0.97x of
+plain decoding, and refitted there at 0.91-1.13x (docs/benchmarks.md). So a
+shape records the machine it was fitted on, and one fitted elsewhere is fitted again.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from specdecode.models.kernels import kernel_kind
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def fingerprint() -> dict:
+    """What a cost measured here depends on: the CPU, the kernels running, the threads."""
+    return {"cpu": cpu_model(), "kernel": kernel_kind() or "none", "threads": torch.get_num_threads()}
+
+
+def fitted_elsewhere(fitted_on: dict | None) -> bool:
+    """Whether costs recorded on `fitted_on` came from another machine than this one. Only
+    the keys it records count; an artifact that records none is taken as it is."""
+    if not fitted_on:
+        return False
+    here = fingerprint()
+    return any(key in here and here[key] != value for key, value in fitted_on.items())
+
+
+def describe(fitted_on: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in fitted_on.items())
