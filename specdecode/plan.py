@@ -12,7 +12,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.options import DEFAULT_DRAFT, check_request
 from specdecode.heads.loading import eagle_drafter, medusa_drafter
 from specdecode.models.load import LoadedModel, load_model
-from specdecode.policy.adaptive import AdaptiveK, CostModel
+from specdecode.policy.adaptive import AdaptiveK
+from specdecode.policy.probe import measured_costs
 from specdecode.policy.profile import HybridK, Profile
 
 # Top-2 at the first two depths, then top-1: 10 candidates, which with the root is the most
@@ -40,7 +41,7 @@ def make_drafter(target: LoadedModel, drafter: str | None, draft: str | None, dt
         return eagle_drafter(target, heads)
     draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
     if drafter == "hybrid":  # without a profile: copies of up to 8, the model's k adaptive
-        return LookupOrModel(draft_model, 8, AdaptiveK(CostModel(estimated_draft_ratio(target, draft_model))))
+        return LookupOrModel(draft_model, 8, policy_for(target, draft_model))
     return DraftTree(draft_model, DEFAULT_TREE_WIDTHS) if drafter == "draft-tree" else draft_model
 
 
@@ -61,8 +62,9 @@ def tuned_drafter(profile: Profile, category: str | None, draft_model: DraftMode
 
 def plan(target: LoadedModel, drafter: str | None, draft: str | None, k: int | str | None, profile: str | None,
          category: str | None, dtype: str | None = None, heads: str | None = None):
-    """(drafter, k or policy) for a request: a fixed k, "auto" (adaptive, costs estimated
-    from sizes), or a tuning profile, which also picks the drafter unless one is named."""
+    """(drafter, k or policy) for a request: a fixed k; None or "auto": the adaptive policy
+    on costs measured here; or a tuning profile, which also picks the drafter unless one
+    is named."""
     check_request(drafter, draft, k, profile, category, heads)
     if profile is not None:
         tuned = Profile.load(profile)
@@ -87,13 +89,7 @@ def plan(target: LoadedModel, drafter: str | None, draft: str | None, k: int | s
 
 
 def policy_for(target: LoadedModel, drafter) -> AdaptiveK:
-    """The default draft length of a chain drafter: the adaptive policy, which drafts
-    only as far as it pays and switches drafting off where it does not."""
-    return AdaptiveK(CostModel(draft_ratio=estimated_draft_ratio(target, drafter)))
-
-
-def estimated_draft_ratio(target: LoadedModel, drafter) -> float:
-    """c before any measurement: decoding streams weights, so the ratio of weight bytes."""
-    if isinstance(drafter, DraftModel):
-        return drafter.model.weight_bytes_per_token / target.model.weight_bytes_per_token
-    return 0.0  # prompt lookup: a scan of the context
+    """The default draft length of a chain drafter: the adaptive policy, seeded with the
+    costs measured once on this machine (policy/probe.py), which drafts only as far as it
+    pays and switches drafting off where it does not."""
+    return AdaptiveK(measured_costs(target.model, drafter.model if isinstance(drafter, DraftModel) else None))

@@ -1,7 +1,7 @@
 """Built-in task suites for the bench, and a loader for Spec-Bench / MT-bench question files.
 
 How much speculative decoding helps depends on the task: a drafter guesses code and text it
-can copy from the prompt far better than free prose (../shared/benchmark.md). So the bench
+can copy from the prompt far better than free prose. So the bench
 measures per category, on these suites (`load_suite(name)`, deterministic order):
 
 - `code-completion`: 20 HumanEval problems (every 8th of the 164, from HumanEval/0), read

@@ -51,7 +51,7 @@ def test_fitted_elsewhere_compares_only_what_the_artifact_records(monkeypatch):
 @pytest.mark.real
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_a_shipped_tree_fitted_on_another_machine_is_fitted_here_once(kind, tmp_path, monkeypatch, capsys):
-    """The shipped SmolLM2 trees record the AMX machine they were fitted on; elsewhere the
+    """The shipped SmolLM2 trees record the CPU they were fitted on (an Intel Xeon with AMX); elsewhere the
     first use fits them again into the target's folder, and later uses find that one."""
     import dataclasses
 

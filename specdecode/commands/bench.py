@@ -1,11 +1,10 @@
 """`specdecode bench`: every method against plain decoding and the peers, per task category.
 
 For each prompt, every method runs to the same budget, interleaved (plain, method A,
-method B, ..., peers; then again) after a warm-up, and the median of the repeats is kept
-(../shared/benchmark.md). Methods: our plain decoding, the draft model at each k, prompt
+method B, ..., peers; then again) after a warm-up, and the median of the repeats is kept. Methods: our plain decoding, the draft model at each k, prompt
 lookup, `hybrid` (prompt lookup where the context repeats, else the draft model), `adaptive`
-(the draft model with k chosen per round by adaptive.py from costs
-estimated by model size), `tuned` (per category the drafter a `tune` profile chose, its k
+(the default: the draft model with k chosen per round by policy/adaptive.py from costs
+measured once on this machine), `tuned` (per category the drafter a `tune` profile chose, its k
 adaptive from the profile's measured costs and α), `medusa` (the target's trained heads
 and their tree), `draft-tree` (the draft model's top-2/top-3 candidates as trees), `eagle` (the trained
 EAGLE head with dynamic trees), and transformers' plain `generate`, `assistant_model=`
@@ -35,11 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdecode.policy.adaptive import AdaptiveK, CostModel, expected_tokens
+from specdecode.policy.adaptive import expected_tokens
 from specdecode.api import load_model
 from specdecode.heads.loading import eagle_drafter, medusa_drafter
 from specdecode.options import BENCH_METHODS as METHODS, DEFAULT_DRAFT, DEFAULT_TARGET
-from specdecode.plan import estimated_draft_ratio, make_draft_model, tuned_drafter
+from specdecode.plan import make_draft_model, policy_for, tuned_drafter
 from specdecode.drafters import PromptLookup
 from specdecode.drafters.draft_tree import DraftTree
 from specdecode.drafters.hybrid import LookupOrModel
@@ -117,11 +116,11 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
         elif name == "prompt-lookup":
             methods.append(Method(name, lookup_k, _ours(target, stop, sampling, seed, PromptLookup(), lookup_k)))
         elif name == "hybrid":  # copies of up to 8 where the context repeats, else the model, k adaptive
-            hybrid = LookupOrModel(drafter, 8, AdaptiveK(CostModel(estimated_draft_ratio(target, drafter))))
+            hybrid = LookupOrModel(drafter, 8, policy_for(target, drafter))
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, hybrid, hybrid.k_max)))
-        elif name == "adaptive":
+        elif name == "adaptive":  # the default: k adaptive on costs measured on this machine
             def policy():  # a fresh policy per generation
-                return AdaptiveK(CostModel(estimated_draft_ratio(target, drafter)))
+                return policy_for(target, drafter)
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, drafter, policy)))
         elif name == "draft-tree":  # the draft model's top candidates as trees
             for widths in tree_widths:

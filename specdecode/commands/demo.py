@@ -19,6 +19,7 @@ from specdecode.core.events import collect
 from specdecode.core.prompts import encode_prompt
 from specdecode.core.stopping import StopCondition
 from specdecode.commands.textstream import TextStream
+from specdecode.policy.adaptive import AdaptiveK
 from specdecode.policy.profile import Profile
 
 # Each demo prompt's kind, and the task category of a `tune` profile that matches it.
@@ -50,11 +51,13 @@ def _run(target, prompt_ids, stop, drafter=None, k=4, on_round=None):
 
 def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None = None, profile: str | None = None,
              out=sys.stdout) -> list[dict]:
+    if profile is not None and k is not None:
+        raise SpecDecodeError("pass --k or --profile, not both: the profile chooses k")
+    if k is not None and k < 1:
+        raise SpecDecodeError(f"the draft length k must be >= 1, got {k}")
     print(f"loading {DEFAULT_TARGET} (target) and {DEFAULT_DRAFT} (draft); the first run downloads them",
           file=out, flush=True)
     target, draft = load_model(DEFAULT_TARGET, dtype), load_model(DEFAULT_DRAFT, dtype)
-    if profile is not None and k is not None:
-        raise SpecDecodeError("pass --k or --profile, not both: the profile chooses k")
     tuned = Profile.load(profile) if profile is not None else None
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     rows = []
@@ -72,19 +75,22 @@ def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None =
         if tuned:  # the profile's drafter for this kind of prompt, k adaptive
             drafter, policy = tuned_drafter(tuned, CATEGORY[kind] if CATEGORY[kind] in tuned.categories else None,
                                             drafter)
-            print(f"(profile: {drafter.name}, k adaptive)", file=out, flush=True)
         spec_tokens, spec = _run(target, prompt_ids, stop, drafter, policy, show)
         plain_tokens, plain = _run(target, prompt_ids, stop)
+        choice = policy.describe() if isinstance(policy, AdaptiveK) else f"k = {policy}"
         rows.append({"kind": kind, "plain_tokens_per_s": plain.tokens_per_s, "spec_tokens_per_s": spec.tokens_per_s,
                      "speedup": plain.wall_s / spec.wall_s * len(spec_tokens) / max(1, len(plain_tokens)),
                      "acceptance_rate": spec.acceptance_rate, "mean_accepted_length": spec.mean_accepted_length,
-                     "identical": spec_tokens == plain_tokens})
+                     "identical": spec_tokens == plain_tokens, "choice": f"{drafter.name}, {choice}"})
     print(f"\n\n{'kind':<10} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'α':>5} {'τ':>5}  identical",
           file=out)
     for r in rows:
         print(f"{r['kind']:<10} {r['plain_tokens_per_s']:>11.2f} {r['spec_tokens_per_s']:>10.2f} "
               f"{r['speedup']:>7.2f}x {r['acceptance_rate']:>5.2f} {r['mean_accepted_length']:>5.2f}  "
               f"{'yes' if r['identical'] else 'NO'}", file=out)
-    chosen = f"drafter and k from {profile}" if tuned else f"draft model, k = {k}" if k else "draft model, k adaptive"
-    print(f"({chosen}, greedy, {max_new_tokens} new tokens at most; single runs, so timings are indicative)", file=out)
+    for r in rows:
+        print(f"{r['kind']:<10} {r['choice']}", file=out)
+    chosen = f"drafter and k from {profile}" if tuned else f"draft model, k = {k}" if k else \
+        "draft model, k chosen each round from this machine's measured costs"
+    print(f"({chosen}; greedy, {max_new_tokens} new tokens at most; single runs, so timings are indicative)", file=out)
     return rows

@@ -2,7 +2,7 @@
 
 Both run greedy decoding of the same prompt to the same forced length, in the same
 dtype and process, interleaved (native, transformers, native, ...) after a warm-up; the
-median of the repeats is reported (../shared/benchmark.md).
+median of the repeats is reported.
 
 Tokens/s is the decoding rate: the tokens after the first over the time after the first,
 so the prompt's prefill (one pass over every prompt token, which yields the first token)

@@ -84,6 +84,11 @@ def best_k_from_rounds(rounds: Sequence[tuple[int, int]], costs: CostModel, k_ma
     return max(((k, speedup_from_rounds(rounds, costs, k)) for k in range(k_max + 1)), key=lambda kv: kv[1])
 
 
+def break_even_alpha(costs: CostModel, k_max: int) -> float:
+    """The lowest acceptance α, in hundredths, at which drafting pays at all (best_k > 0)."""
+    return next((i / 100 for i in range(101) if best_k(i / 100, costs, k_max)[0] > 0), 1.0)
+
+
 @dataclass
 class AdaptiveK:
     costs: CostModel
@@ -115,6 +120,16 @@ class AdaptiveK:
             self.rounds_off = 0
         self.history.append(k)
         return k
+
+    def describe(self) -> str:
+        """What the policy chose over a generation, and why, in one line."""
+        drafting = [k for k in self.history if k > 0]
+        off = len(self.history) - len(drafting)
+        if not self.history or off > len(self.history) / 2:
+            return (f"off: acceptance {self.alpha:.2f} does not pay for the draft "
+                    f"(it pays from {break_even_alpha(self.costs, self.k_max):.2f} here)")
+        span = f"{min(drafting)}-{max(drafting)}" if min(drafting) < max(drafting) else f"{drafting[0]}"
+        return f"k adaptive {span}, acceptance {self.alpha:.2f}" + (f", off {off} of {len(self.history)} rounds" if off else "")
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:

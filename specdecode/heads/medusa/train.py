@@ -80,9 +80,9 @@ def split(features: Features, held_out_every: int = 20) -> tuple[torch.Tensor, t
 
     By source, because documents of one source share text: a module's functions are
     completed, edited, explained and tested, and its code is in the teacher-forced source.
-    Split by document, the held-out answers were text the heads had nearly seen (session
-    8: Medusa's head 3 right 0.60 of the time there, 0.29 on the bench's prompts), and the
-    tree chosen from them was deeper than the heads could fill."""
+    Split by document, the held-out answers were text the heads had nearly seen (Medusa's
+    head 3 was right 0.60 of the time there, 0.29 on the bench's prompts), and the tree
+    chosen from them was deeper than the heads could fill."""
     sources = features.sources
     if sources is not None and len(sources) == int(features.doc_ids.max()) + 1:
         held_sources = torch.tensor([zlib.crc32(s.encode()) % held_out_every == held_out_every - 1 for s in sources])
