@@ -10,7 +10,7 @@ import sys
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import get_spec
-from specdecode.models.store import home, list_models, pull
+from specdecode.models.store import home, list_models, pull, remove
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -24,12 +24,26 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("names", nargs="+", metavar="NAME", help="see `specdecode models`")
     p.add_argument(
-        "--keep-gguf", action="store_true", help="keep the GGUF file next to the converted model"
-    )
+        "--dtype", choices=("bf16", "fp32"), default="bf16",
+        help="which weights to convert now (default: bf16, what runs read unless told "
+        "otherwise; the other is converted from the kept GGUF on first use)",
+    )  # fmt: skip
+    p.add_argument("--keep-gguf", action="store_true",
+                   help="no effect, kept for old scripts: the verified GGUF is always kept now")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     p.set_defaults(func=run_pull)
 
-    m = subparsers.add_parser("models", help="list registry models and whether they are cached")
+    m = subparsers.add_parser(
+        "models",
+        help="list registry models, whether they are cached and the disk they take",
+        description="List the known models and the cached ones (converted local .gguf files "
+        "too): download size, and for each cached model the disk it takes in all and by "
+        "kind (the verified GGUF source, bf16 and fp32 weights, each converted on first use).",
+    )
+    m.add_argument(
+        "--remove", nargs="+", metavar="NAME",
+        help="delete these cached models (pulled again on next use)",
+    )  # fmt: skip
     m.set_defaults(func=run_models)
 
 
@@ -38,7 +52,7 @@ def run_pull(args: argparse.Namespace) -> int:
         for name in args.names:  # reject a typo before a long download of the others
             get_spec(name)
         for name in args.names:
-            print(pull(name, progress=not args.quiet, keep_gguf=args.keep_gguf), flush=True)
+            print(pull(name, progress=not args.quiet, dtype=args.dtype), flush=True)
     except SpecDecodeError as err:
         print(f"specdecode: error: {err}", file=sys.stderr)
         return 2
@@ -46,17 +60,32 @@ def run_pull(args: argparse.Namespace) -> int:
 
 
 def run_models(args: argparse.Namespace) -> int:
-    rows = [
-        (r["name"], _human_bytes(r["bytes"]), "yes" if r["cached"] else "no", r["description"])
-        for r in list_models()
-    ]
-    header = ("name", "size", "cached", "description")
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-    for line in [header, *rows]:
+    if getattr(args, "remove", None):
+        try:
+            for name in args.remove:
+                print(f"removed {remove(name)}")
+        except SpecDecodeError as err:
+            print(f"specdecode: error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    table = []
+    for r in list_models():
+        disk = r["disk"]
+        sizes = [_human_bytes(disk[k]) if disk and disk[k] else "-" for k in ("total", "gguf", "bf16", "fp32")]
+        table.append((r["name"], _human_bytes(r["bytes"]), "yes" if r["cached"] else "no", *sizes,
+                      r["description"]))
+    header = ("name", "size", "cached", "on disk", "gguf", "bf16", "fp32", "description")
+    widths = [max(len(cell) for cell in column) for column in zip(header, *table)]
+    for line in [header, *table]:
         print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
-    print(f"\ncache: {home() / 'models'}  (size = download size of the GGUF file)")
+    total = sum(r["disk"]["total"] for r in list_models() if r["disk"])
+    print(f"\ncache: {home() / 'models'}  ({_human_bytes(total)} in all)")
+    print("size = download size of the GGUF file; on disk = all the model's files: the verified GGUF "
+          "source, and the bf16 and fp32 weights, each converted on first use at that dtype")
     return 0
 
 
 def _human_bytes(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+    if n >= 1e9:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"

