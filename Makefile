@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/specdecode demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --run-slow
 
 speed: $(STAMP)
 	$(BIN)/specdecode speed --target qwen2.5-coder-1.5b-instruct

@@ -337,12 +337,14 @@ def assert_distributed_as(samples: np.ndarray, expected_probs: np.ndarray) -> No
         assert result.pvalue >= P_VALUE_FLOOR, f"chi-square p = {result.pvalue:.2e}"
 
 
+@pytest.mark.slow  # 20k rounds of rejection_chain per case: minutes; fewer miss subtle bugs
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_first_emitted_token_is_distributed_as_target(case):
     outcome = simulate(case.name)
     assert_distributed_as(outcome.first_two[:, 0], case.target_probs[0].double().numpy())
 
 
+@pytest.mark.slow  # 20k rounds of rejection_chain per case: minutes; fewer miss subtle bugs
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_first_two_emitted_tokens_are_jointly_distributed_as_target(case):
     outcome = simulate(case.name)
@@ -352,6 +354,7 @@ def test_first_two_emitted_tokens_are_jointly_distributed_as_target(case):
     assert_distributed_as(cells, joint.reshape(-1).numpy())
 
 
+@pytest.mark.slow  # 20k rounds of rejection_chain per case: minutes; fewer miss subtle bugs
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_acceptance_matches_theory(case):
     # Rows do not depend on the prefix, so position i is accepted with probability

@@ -67,6 +67,7 @@ def tiny_vocab8(tmp_path_factory):
     return model
 
 
+@pytest.mark.slow  # 3000 sampled generations
 def test_eagle_sampling_keeps_the_target_distribution(tiny_vocab8):
     """The first two sampled tokens (the second from an EAGLE tree) against the exact joint."""
     model = tiny_vocab8

@@ -104,6 +104,7 @@ def test_seeded_sampling_repeats_exactly(tiny, tiny_other):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.slow  # 6000 seeded generations per drafter: minutes; fewer lose the chi-square's power
 @pytest.mark.parametrize("kind", ["draft-model", "hybrid"])
 def test_first_two_sampled_tokens_keep_the_target_distribution(tiny_llama, tmp_path, kind):
     """End to end: the joint distribution of the first two tokens, with an independent draft

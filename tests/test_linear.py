@@ -15,8 +15,15 @@ from specdecode.models import kernels
 from specdecode.models import linear
 from specdecode.models.linear import Linear
 
-needs_kernel = pytest.mark.skipif(kernels.kernel() is None, reason="no kernel (AMX or AVX2) on this machine")
-needs_onednn_bf16 = pytest.mark.skipif(not linear.onednn_packs_bf16(), reason="oneDNN cannot pack bf16 on this CPU")
+# The kernel tests skip only on a CPU without the kernel's instructions; where it has them,
+# a build that fails fails them with the build's error (conftest.require_kernel).
+needs_kernel = pytest.mark.usefixtures("kernel_module")
+# what oneDNN needs to reorder a bf16 weight (linear.onednn_packs_bf16)
+ONEDNN_BF16_FLAGS = ({"avx512bw", "avx512vl", "avx512dq"}, {"avx_ne_convert"})
+
+
+def onednn_should_pack_bf16() -> bool:
+    return any(flags <= kernels.cpu_flags() for flags in ONEDNN_BF16_FLAGS)
 
 
 def weights(out_features: int, in_features: int, seed: int, bias: bool = True):
@@ -53,22 +60,47 @@ def test_kernel_rows_do_not_depend_on_the_row_count(shape):
         assert torch.equal(layer(x[row : row + 1]), together[row : row + 1]), row
 
 
-@pytest.mark.skipif(not kernels.cpu_has("avx2") or kernels.kernel_kind() == "avx2",
-                    reason="no AVX2, or the tests above already run the AVX2 build")
-def test_avx2_build_on_a_cpu_that_runs_the_amx_build():
-    """The AVX2 build stays compiled and exact where CI runs the AMX one (a minute's build)."""
-    module = kernels._build("avx2")
+@pytest.mark.parametrize("kind", kernels.KINDS)
+def test_each_build_the_cpu_supports_compiles_and_is_exact(kind):
+    """Every build whose instructions this CPU has must compile and multiply exactly, the
+    AVX2 one included where this machine runs the AMX one (a minute's build, once per
+    machine). A build that fails here fails the test with the compiler's error: only a CPU
+    without the instructions skips."""
+    if not kernels.cpu_has(kind):
+        pytest.skip(f"this CPU lacks {' and '.join(kernels.REQUIRED_FLAGS[kind])}")
+    module = kernels._build(kind)  # raises with the compiler's output
+    if kind == "amx":
+        assert module.request_amx(), "the kernel refused AMX state (arch_prctl ARCH_REQ_XCOMP_PERM)"
     w, b = weights(130, 100, seed=4)
-    packed = kernels._pack_avx2(w)
     x = torch.randn(20, 100).bfloat16()
-    together = module.linear(x, packed, b, 130)
-    torch.testing.assert_close(together.float(), F.linear(x.float(), w.float(), b.float()), rtol=2**-8, atol=1e-3)
+    if kind == "amx":
+        packed = kernels._pack_amx(w)
+        x = F.pad(x, (0, packed.shape[1] * kernels.STEP - 100))  # whole tile steps
+    else:
+        packed = kernels._pack_avx2(w)
+    together = module.linear(x.contiguous(), packed, b, 130)
+    reference = F.linear(x.float(), F.pad(w, (0, x.shape[1] - 100)).float(), b.float())
+    torch.testing.assert_close(together.float(), reference, rtol=2**-8, atol=1e-3)
     for rows in (1, 2, 3, 11):
         assert torch.equal(module.linear(x[:rows].contiguous(), packed, b, 130), together[:rows]), rows
 
 
-@needs_onednn_bf16
+def test_a_cpu_with_avx2_runs_a_kernel(kernel_module):
+    """kernel() falls back to oneDNN or torch silently (a warning) when the build fails:
+    on a CPU that has the instructions that is a failure (kernel_module fails with the
+    build's error), and the kernel is the best build the CPU supports."""
+    assert kernel_module.kind in kernels.KINDS and kernels.kernel_kind() == kernel_module.kind
+
+
+@pytest.mark.skipif(not onednn_should_pack_bf16(), reason="this CPU lacks AVX-512 (bw, vl, dq) and AVX-NE-CONVERT")
+def test_onednn_packs_bf16_where_the_cpu_has_the_instructions():
+    assert linear.onednn_packs_bf16()
+
+
 def test_without_the_kernel_bf16_weights_go_to_onednn(monkeypatch):
+    if not linear.onednn_packs_bf16():
+        assert not onednn_should_pack_bf16()  # test_onednn_packs_bf16_where_the_cpu_has_the_instructions
+        pytest.skip("this CPU lacks what oneDNN needs to pack bf16")
     monkeypatch.setattr(kernels, "kernel", lambda: None)
     w, b = weights(96, 64, seed=2)
     layer = Linear(w, b)

@@ -1,5 +1,7 @@
 """Small pure pieces: prompt lookup, statistics, the speedup model, text streaming, stops."""
 
+import random
+
 import pytest
 
 from specdecode.policy.adaptive import expected_tokens
@@ -34,16 +36,34 @@ def test_stats_rates_and_positions():
     assert stats.acceptance_by_position == [2 / 3, 1 / 3, 1 / 2, 1 / 2]
 
 
-def test_expected_tokens():
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 5) == 6.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+def simulated_rounds(alpha: float, k: int, rounds: int = 20_000, seed: int = 0) -> list[int]:
+    """Tokens emitted by each of `rounds` rounds of k drafts, each accepted with probability
+    alpha until the first rejection, plus the target's own token."""
+    rng = random.Random(seed)
+    emitted = []
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        emitted.append(accepted + 1)
+    return emitted
 
 
-def test_theoretical_speedup():
-    # α = 0.8, k = 4: E = (1 - 0.8^5) / 0.2 = 3.3616; cost = 4 * 0.25 + 1.1 = 2.1 plain steps
-    assert theoretical_speedup(0.8, 4, 1.0, 0.25, 1.1) == pytest.approx(3.3616 / 2.1)
-    assert theoretical_speedup(0.0, 1, 1.0, 0.0, 1.0) == pytest.approx(1.0)
+@pytest.mark.parametrize("alpha, k", [(0.0, 5), (0.5, 2), (0.8, 4), (0.95, 8), (1.0, 5)])
+def test_expected_tokens_is_the_mean_of_simulated_rounds(alpha, k):
+    rounds = simulated_rounds(alpha, k)
+    assert expected_tokens(alpha, k) == pytest.approx(sum(rounds) / len(rounds), rel=0.015)
+
+
+@pytest.mark.parametrize("alpha, k, plain_s, draft_s, verify_s", [
+    (0.8, 4, 1.0, 0.25, 1.1), (0.0, 1, 1.0, 0.0, 1.0), (0.6, 3, 0.02, 0.004, 0.025)])
+def test_theoretical_speedup_is_the_simulated_one(alpha, k, plain_s, draft_s, verify_s):
+    # speculative decoding's tokens per second, each round costing k draft steps and a
+    # verify pass, over plain decoding's one token per plain step
+    rounds = simulated_rounds(alpha, k)
+    tokens_per_s = sum(rounds) / (len(rounds) * (k * draft_s + verify_s))
+    assert theoretical_speedup(alpha, k, plain_s, draft_s, verify_s) == pytest.approx(tokens_per_s * plain_s,
+                                                                                       rel=0.015)
 
 
 class Bytes:

@@ -34,6 +34,19 @@ def longs(*values: int) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long)
 
 
+def path_to(tree: Tree, node: int) -> list[int]:
+    """Node indices from the root (0) to `node` inclusive, by the parents."""
+    parents = tree.parents.tolist()
+    nodes = [node]
+    while nodes[-1] != 0:
+        nodes.append(parents[nodes[-1]])
+    return nodes[::-1]
+
+
+def leaves(tree: Tree) -> list[int]:
+    return [node for node in range(tree.num_nodes) if not tree.children[node]]
+
+
 # ---- build_tree ----
 
 
@@ -54,9 +67,7 @@ def test_build_tree_golden():
         [1, 1, 0, 0, 1, 0],
         [1, 1, 0, 1, 0, 1],
     ]
-    assert tree.retrieve.tolist() == [[0, 2, -1, -1], [0, 1, 4, -1], [0, 1, 3, 5]]  # leaves 2, 4, 5
-    assert [tree.path_to(node) for node in range(6)] == [[0], [0, 1], [0, 2], [0, 1, 3], [0, 1, 4], [0, 1, 3, 5]]
-    for name in ("parents", "depths", "ranks", "retrieve"):
+    for name in ("parents", "depths", "ranks"):
         assert getattr(tree, name).dtype == torch.long
 
 
@@ -72,7 +83,7 @@ def test_root_only_and_rank_gaps():
     root = build_tree([])
     assert root.num_nodes == 1 and root.max_depth == 0
     assert root.parents.tolist() == [-1] and root.mask.tolist() == [[True]]
-    assert root.children == ((),) and root.retrieve.tolist() == [[0]] and root.path_to(0) == [0]
+    assert root.children == ((),)
     gap = build_tree([(2,), (0,)])  # ranks need not be contiguous
     assert gap.paths == ((0,), (2,)) and gap.ranks.tolist() == [0, 0, 2] and gap.children[0] == (1, 2)
 
@@ -96,15 +107,10 @@ def test_build_tree_rejects(paths, match):
         build_tree(paths)
 
 
-def test_path_to_out_of_range():
-    with pytest.raises(ValueError, match="node"):
-        build_tree(EXAMPLE).path_to(6)
-
-
 def test_chain_and_full_trees():
     chain = chain_tree(3)
     assert chain.paths == ((0,), (0, 0), (0, 0, 0))
-    assert chain.parents.tolist() == [-1, 0, 1, 2] and chain.retrieve.tolist() == [[0, 1, 2, 3]]
+    assert chain.parents.tolist() == [-1, 0, 1, 2]
     assert torch.equal(chain.mask, torch.ones(4, 4, dtype=torch.bool).tril())  # causal
     assert chain_tree(0) == build_tree([])
 
@@ -112,7 +118,7 @@ def test_chain_and_full_trees():
     assert full.num_nodes == 1 + 2 + 4 + 4
     assert full.paths[:6] == ((0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1))
     assert full.children[0] == (1, 2) and full.children[1] == (3, 4) and full.children[3] == (7,)
-    assert full.retrieve.shape == (4, 4) and (full.retrieve >= 0).all()  # 4 leaves, all at depth 3
+    assert [int(full.depths[leaf]) for leaf in leaves(full)] == [3] * 4  # 4 leaves, all at depth 3
     assert full_tree(()) == build_tree([]) and full_tree((1, 1)) == chain_tree(2)
     for bad in ((2, 0), (1.5,), (-1,)):
         with pytest.raises(ValueError, match="widths"):
@@ -126,9 +132,8 @@ def test_every_parent_precedes_its_children():
     for tree in (build_tree(EXAMPLE), full_tree((3, 2, 2)), random_tree(20, seed=1)):
         parents = tree.parents.tolist()
         assert all(parents[i] < i for i in range(1, tree.num_nodes))
-        for leaf_row in tree.retrieve.tolist():
-            path = [i for i in leaf_row if i >= 0]
-            assert path == sorted(path) and path[0] == 0  # ascending: compact can pack it
+        for node in range(tree.num_nodes):  # the mask's row is the node's path, ascending: compact can pack it
+            assert torch.nonzero(tree.mask[node])[:, 0].tolist() == path_to(tree, node)
 
 
 # ---- tree_attention ----
@@ -339,11 +344,11 @@ def test_tree_forward_then_compact_equals_recompute(tiny_llama):
     tree_logits = model(node_tokens[None], cache, positions=positions, mask=mask).logits[0]  # (N+1, V)
     assert cache.length == start + tree.num_nodes
     for node in range(tree.num_nodes):
-        path_tokens = node_tokens[tree.path_to(node)].tolist()
+        path_tokens = node_tokens[path_to(tree, node)].tolist()
         torch.testing.assert_close(tree_logits[node], last_logits(prefix + path_tokens), rtol=0, atol=1e-4)
 
     # Keep the deepest root-to-leaf path, as if the rule accepted it, then decode greedily.
-    path = tree.path_to(int(tree.depths.argmax()))
+    path = path_to(tree, int(tree.depths.argmax()))
     cache.compact([start + node for node in path])
     assert cache.length == start + len(path)
     context = prefix + node_tokens[path].tolist()
@@ -364,10 +369,10 @@ def assert_tree_pass_is_bitwise_plain(model, prefix_len: int, tree: Tree, vocab:
     model(prefix, cache)
     positions, mask = tree_attention(tree, cache.length)
     tree_logits = model(node_tokens[None], cache, positions=positions, mask=mask).logits[0]  # (N+1, V)
-    for leaf in tree.retrieve.tolist():
+    for leaf in leaves(tree):
         single = model.new_cache(max_len=1024)
         model(prefix, single)
-        for node in (i for i in leaf if i >= 0):
+        for node in path_to(tree, leaf):
             logits = model(node_tokens[node].view(1, 1), single).logits[0, 0]  # (V,)
             assert torch.equal(logits, tree_logits[node]), f"node {node} of {tree.paths}"
 
@@ -397,9 +402,9 @@ def test_bf16_tree_pass_equals_one_token_passes(tiny_llama, bf16_path):
     model(prefix, cache)
     positions, mask = tree_attention(tree, cache.length)
     tree_logits = model(node_tokens[None], cache, positions=positions, mask=mask).logits[0]  # (N+1, V)
-    for leaf in tree.retrieve.tolist():
+    for leaf in leaves(tree):
         single = model.new_cache()
         model(prefix, single)
-        for node in (i for i in leaf if i >= 0):
+        for node in path_to(tree, leaf):
             logits = model(node_tokens[node].view(1, 1), single).logits[0, 0]  # (V,)
             assert torch.equal(logits, tree_logits[node]), node

@@ -60,7 +60,6 @@ class Tree:
     ranks: Tensor  # (N+1,) long, the last element of each path; 0 for the root
     mask: Tensor  # (N+1, N+1) bool, True where the column is an ancestor-or-self of the row
     children: tuple[tuple[int, ...], ...]  # per node, its children's indices by rank
-    retrieve: Tensor  # (num_leaves, max_depth+1) long, root-to-leaf node indices, -1 padded
 
     @property
     def num_nodes(self) -> int:
@@ -70,16 +69,6 @@ class Tree:
     @property
     def max_depth(self) -> int:
         return len(self.paths[-1]) if self.paths else 0
-
-    def path_to(self, node: int) -> list[int]:
-        """Node indices from the root (0) to `node` inclusive, ascending."""
-        if not 0 <= node < self.num_nodes:
-            raise ValueError(f"node must be in [0, {self.num_nodes}), got {node}")
-        parents = self.parents.tolist()
-        nodes = [node]
-        while nodes[-1] != 0:
-            nodes.append(parents[nodes[-1]])
-        return nodes[::-1]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Tree) and self.paths == other.paths
@@ -127,13 +116,6 @@ def build_tree(paths: Iterable[Sequence[int]]) -> Tree:
         mask[node] = mask[parents[node]]
         mask[node, node] = True
 
-    max_depth = depths[-1]
-    leaves = [node for node in range(num_nodes) if not children[node]]
-    retrieve = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        nodes = torch.nonzero(mask[leaf])[:, 0]  # ancestors-or-self ascend root to leaf
-        retrieve[row, : nodes.shape[0]] = nodes
-
     return Tree(
         paths=ordered,
         parents=torch.tensor(parents, dtype=torch.long),
@@ -141,7 +123,6 @@ def build_tree(paths: Iterable[Sequence[int]]) -> Tree:
         ranks=torch.tensor(ranks, dtype=torch.long),
         mask=mask,
         children=tuple(tuple(c) for c in children),
-        retrieve=retrieve,
     )
 
 

@@ -133,12 +133,9 @@ def test_bf16_attention_rows_equal_one_row_calls_at_smollm2_head_shapes():
 
 
 @pytest.mark.parametrize("folder", ["tiny_llama", "tiny_qwen2"])  # qwen2: q/k/v biases
-def test_every_layer_in_one_call_is_bitwise_the_kernels_one_by_one(folder, request):
-    from specdecode.models import kernels
+def test_every_layer_in_one_call_is_bitwise_the_kernels_one_by_one(folder, request, kernel_module):
     from specdecode.core.trees import build_tree, tree_attention
 
-    if kernels.kernel() is None:
-        pytest.skip("the extension is not built on this machine")
     model = NativeModel.from_folder(request.getfixturevalue(folder), torch.bfloat16)
     assert model.layer_in_one_call
     results = {}
