@@ -89,6 +89,7 @@ def test_adaptive_follows_a_change_of_acceptance():
     assert adaptive > 1.0
 
 
+@pytest.mark.slow
 def test_adaptive_in_the_engine_keeps_output_and_mostly_stops_drafting(tiny_llama, tiny_llama_other):
     target = NativeModel.from_folder(tiny_llama, torch.float32)
     useless = DraftModel(NativeModel.from_folder(tiny_llama_other, torch.float32), target.vocab_size)

@@ -26,6 +26,7 @@ def test_left_padded_masks_hide_pads_only():
     assert mask[0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen2"])
 def test_batched_answers_equal_each_prompt_alone(request, fixture, dtype):
@@ -35,6 +36,7 @@ def test_batched_answers_equal_each_prompt_alone(request, fixture, dtype):
     assert answers == [alone(model, p, 24) for p in PROMPTS]
 
 
+@pytest.mark.slow
 def test_answers_stop_at_their_own_eos(tiny_llama):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     free = greedy_answers(model, PROMPTS, 20, frozenset())
@@ -45,6 +47,7 @@ def test_answers_stop_at_their_own_eos(tiny_llama):
     assert greedy_answers(model, PROMPTS, 0, eos) == [[]] * len(PROMPTS)
 
 
+@pytest.mark.slow
 def test_answer_features_match_a_teacher_forced_pass(tiny_qwen2):
     from specdecode.heads.training.batch_greedy import answer_features
     from specdecode.heads.training.features import collect

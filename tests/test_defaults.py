@@ -29,6 +29,7 @@ def tiny_pair(tiny_llama, tiny_llama_other):
     return NativeModel.from_folder(tiny_llama, torch.float32), NativeModel.from_folder(tiny_llama_other, torch.float32)
 
 
+@pytest.mark.slow
 def test_costs_are_measured_once_then_read_back(home, tiny_pair, monkeypatch):
     target, draft = tiny_pair
     costs = probe.measured_costs(target, draft)
@@ -60,6 +61,7 @@ def test_a_damaged_cost_file_is_measured_again(home, tiny_pair):
     assert costs.verify_ratios[0] == 1.0 and json.loads(path.read_text())["draft_step_s"] is None
 
 
+@pytest.mark.slow
 def test_without_k_the_policy_is_adaptive_on_measured_costs(home, tiny_pair):
     target_model, draft_model = tiny_pair
     target = LoadedModel(target_model, None, None)  # planning a chain drafter reads neither

@@ -12,6 +12,7 @@ from specdecode.core.sampling import SamplingConfig
 from specdecode.core.stopping import StopCondition
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("widths", [(2, 2, 1), (3, 1), (1, 1, 1, 1)])
 def test_draft_tree_greedy_is_identical_to_plain(tiny_llama, tiny_llama_other, widths):
     target = NativeModel.from_folder(tiny_llama, torch.bfloat16)
@@ -28,6 +29,7 @@ def test_draft_tree_greedy_is_identical_to_plain(tiny_llama, tiny_llama_other, w
                 assert done.stats.mean_accepted_length > len(widths)
 
 
+@pytest.mark.slow
 def test_draft_tree_the_perfect_drafter_fills_every_depth(tiny_llama):
     target = NativeModel.from_folder(tiny_llama, torch.float32)
     drafter = DraftTree(DraftModel(NativeModel.from_folder(tiny_llama, torch.float32), target.vocab_size), (2, 2))

@@ -35,6 +35,7 @@ def lm_weight_of(folder):
     return load_file(f"{folder}/model.safetensors")["lm_head.weight"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduced", [False, True])
 def test_eagle_dynamic_tree_greedy_is_identical_to_plain(tiny_llama, dtype, reduced):
@@ -103,6 +104,7 @@ def _grammar_features(model, layers=None):
     return collect_features(model, docs, layers or (model.config.num_layers,))
 
 
+@pytest.mark.slow
 def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_llama, tmp_path):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     features = _grammar_features(model)
@@ -131,6 +133,7 @@ def test_eagle_training_reduces_held_out_loss_and_the_artifact_round_trips(tiny_
         eagle.load(tmp_path / "missing")
 
 
+@pytest.mark.slow
 def test_training_can_continue_from_a_trained_head(tiny_llama, tmp_path):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     features = _grammar_features(model)
@@ -218,6 +221,7 @@ class EveryThirdRound:
         pass
 
 
+@pytest.mark.slow
 def test_eagle_feeds_its_head_only_on_tree_rounds_and_drafts_as_if_fed_every_round(tiny_llama):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     stop = StopCondition(frozenset(), max_new_tokens=40)
@@ -252,6 +256,7 @@ def fused_head(model, seed=0):
     return head.eval().requires_grad_(False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_head_fusing_several_layers_drafts_trees_greedy_identical_to_plain(tiny_llama, dtype):
     model = NativeModel.from_folder(tiny_llama, dtype)
@@ -271,6 +276,7 @@ def test_a_head_fusing_several_layers_drafts_trees_greedy_identical_to_plain(tin
         assert done.stats.rounds < len(plain) or depth == 1
 
 
+@pytest.mark.slow
 def test_a_fused_head_trains_and_round_trips(tiny_llama, tmp_path):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     features = _grammar_features(model, (1, 2))

@@ -30,6 +30,7 @@ def tiny_other(tiny_llama_other):
     return NativeModel.from_folder(tiny_llama_other, torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_identity_tiny_models(tiny, tiny_other, k):
     stop = StopCondition(max_new_tokens=40)
@@ -84,6 +85,7 @@ class Digits:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
+@pytest.mark.slow
 def test_stop_string_spanning_rounds(tiny):
     plain, _ = run(tiny, PROMPT, StopCondition(max_new_tokens=30))
     text = Digits().decode(plain)
@@ -96,6 +98,7 @@ def test_stop_string_spanning_rounds(tiny):
         assert stop.cut_text(Digits().decode(tokens)) == text[:first]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_repeats_exactly(tiny, tiny_other):
     sampling = SamplingConfig(temperature=0.8, top_p=0.9)
     outs = [run(tiny, PROMPT, StopCondition(max_new_tokens=20), sampling=sampling,
@@ -179,6 +182,7 @@ class Recorder:
         return self
 
 
+@pytest.mark.slow
 def test_hybrid_copies_repeats_drafts_elsewhere_and_is_greedy_identical(tiny, tiny_other):
     """The hybrid drafter copies where the context repeats and asks its model elsewhere;
     its model's policy learns each model round's acceptance from the next context."""
@@ -201,6 +205,7 @@ def test_hybrid_copies_repeats_drafts_elsewhere_and_is_greedy_identical(tiny, ti
         assert done.stats.draft_tokens > 0
 
 
+@pytest.mark.slow
 def test_hybrid_policy_is_fresh_each_generation(tiny, tiny_other):
     from specdecode.policy.adaptive import AdaptiveK, CostModel
     from specdecode.drafters.hybrid import LookupOrModel

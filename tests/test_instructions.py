@@ -21,6 +21,7 @@ def prompts():
     return instruction_prompts()
 
 
+@pytest.mark.slow
 def test_many_prompts_every_kind_early_fixed_order(prompts):
     assert len(prompts) > 3000
     assert prompts == instruction_prompts()
@@ -33,6 +34,7 @@ def test_many_prompts_every_kind_early_fixed_order(prompts):
     assert sum(MARKERS["code"] in p for p in prompts[:90]) >= 25  # code three times as often as each other kind
 
 
+@pytest.mark.slow
 def test_prompts_name_their_source():
     pairs = instructions()
     assert [text for text, _ in pairs] == instruction_prompts()

@@ -30,6 +30,7 @@ def random_heads(hidden_size: int, num_heads: int = 4, seed: int = 0) -> medusa.
     return heads.requires_grad_(False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduced", [False, True])
 def test_medusa_tree_decoding_is_identical_to_plain_greedy(tiny_llama, dtype, reduced):
@@ -53,6 +54,7 @@ def test_medusa_tree_decoding_is_identical_to_plain_greedy(tiny_llama, dtype, re
             assert any(t % 2 == 0 for t in plain)
 
 
+@pytest.mark.slow
 def test_medusa_sampling_keeps_the_stream_valid_and_seeded(tiny_llama):
     from specdecode.core.sampling import SamplingConfig
 
@@ -103,6 +105,7 @@ def test_held_out_split_keeps_each_source_on_one_side():
     assert set(doc_ids[held_idx].tolist()) == set(range(19, 200, 20))
 
 
+@pytest.mark.slow
 def test_training_reduces_held_out_loss_and_resumes(tiny_llama, tmp_path):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     features = tiny_features(model)
@@ -160,6 +163,7 @@ def test_each_extra_root_to_leaf_path_costs_its_attention():
     assert num_leaves(chain) == 1 and choose_tree(chain_only, flat, 0.05, 10, leaf_ratio=5.0) == (chain, chain_speedup)
 
 
+@pytest.mark.slow
 def test_a_gated_medusa_drafter_stops_drafting_where_it_is_never_accepted(tiny_llama):
     from specdecode.policy.gate import TreeGate
     from specdecode.core.events import Round

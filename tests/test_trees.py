@@ -210,6 +210,7 @@ def test_tree_rules_check_shapes():
 # ---- rejection_tree: exact cases ----
 
 
+@pytest.mark.slow
 def test_rejection_tree_on_a_chain_is_rejection_chain():
     # Same generator use (k uniforms, then one row of noise) and the same tests, so the
     # results agree seed for seed, not only in distribution.
@@ -326,6 +327,7 @@ def random_tree(num_drafted: int, seed: int) -> Tree:
     return build_tree(paths[1:])
 
 
+@pytest.mark.slow
 def test_tree_forward_then_compact_equals_recompute(tiny_llama):
     model = NativeModel.from_folder(tiny_llama, torch.float32)
     generator = torch.Generator().manual_seed(0)

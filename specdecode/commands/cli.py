@@ -41,7 +41,7 @@ def add_generate(sub) -> None:
     p.add_argument("--heads", "--head", dest="heads",
                    help="Medusa heads / EAGLE head folder (default: the ones trained for the target)")
     p.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="no chat template: the prompt is raw text")
     p.add_argument("--dtype", default=None, help="bf16 (default) or fp32")
@@ -103,11 +103,12 @@ def run_generate(args) -> int:
 
 def add_speed(sub) -> None:
     p = sub.add_parser("speed", help="plain decoding: native vs transformers, and the memory-bandwidth limit")
-    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"registry name, transformers folder or .gguf (default: {DEFAULT_TARGET})")
     p.add_argument("--dtype", default=None, help="bf16 (default) or fp32; both backends use it")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per timed run (default: 64)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per backend; the median is kept (default: 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run_speed_cmd)
 
 
@@ -145,7 +146,8 @@ def load_questions(args):
 
 def add_bench(sub) -> None:
     p = sub.add_parser("bench", help="every method vs plain decoding and transformers, per task category")
-    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"registry name, transformers folder or .gguf (default: {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for draft-model and adaptive ('' = none)")
     p.add_argument("--methods", type=_csv, default=None,
                    help=f"of {','.join(BENCH_METHODS)} (default: all but medusa and eagle, which need trained heads; "
@@ -155,10 +157,11 @@ def add_bench(sub) -> None:
     p.add_argument("--tree-widths", type=_csv, default=["2x2x1", "3x1x1"],
                    help="draft-tree shapes: top-w candidates per depth, e.g. 2x2x1 (at most 10 nodes)")
     add_questions_args(p, default_limit=10)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens per answer (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="seed for sampling (default: 0)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each method per prompt; the median is kept "
+                   "(default: 3)")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="also run transformers' generate: plain, assisted, prompt lookup")
     p.add_argument("--profile", help="a `specdecode tune` profile for the tuned method")
@@ -214,14 +217,15 @@ def _widths(text: str) -> tuple[int, ...]:
 
 def add_tune(sub) -> None:
     p = sub.add_parser("tune", help="measure costs and acceptance; choose drafter and k (or off) per category")
-    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"registry name, transformers folder or .gguf (default: {DEFAULT_TARGET})")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model for the draft-model drafter ('' = none)")
     p.add_argument("--drafters", type=_csv, default=list(TUNABLE),
                    help=f"of {','.join(TUNABLE)} (without --draft: prompt-lookup only); tree drafters choose "
                    "their trees when trained")
     add_questions_args(p, default_limit=3)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--k-max", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens per answer (default: 64)")
+    p.add_argument("--k-max", type=int, default=8, help="largest draft length k to consider (default: 8)")
     p.add_argument("--out", help="profile path (default: $SPECDECODE_HOME/profiles/TARGET+DRAFT.json)")
     p.set_defaults(func=run_tune_cmd)
 
@@ -268,11 +272,14 @@ def add_train(sub) -> None:
                    help="target layers the head reads, fused, as EAGLE-3 does, e.g. 2,15,27 "
                         "(default: the final layer alone)")
     for kind in (m, e):
-        kind.add_argument("--target", default=DEFAULT_TARGET)
+        kind.add_argument("--target", default=DEFAULT_TARGET,
+                          help=f"registry name, transformers folder or .gguf (default: {DEFAULT_TARGET})")
         kind.add_argument("--tokens", type=int, default=100_000, help="tokens of standard-library source")
         kind.add_argument("--answers", type=int, default=24, help="prompts the target answers for training")
-        kind.add_argument("--answer-tokens", type=int, default=128)
-        kind.add_argument("--epochs", type=float, default=2.0)
+        kind.add_argument("--answer-tokens", type=int, default=128,
+                          help="most tokens of each of the target's answers (default: 128)")
+        kind.add_argument("--epochs", type=float, default=2.0, help="passes over the data; fractions allowed "
+                          "(default: 2)")
         kind.add_argument("--out", help="artifact folder (default: beside the target's cached weights)")
         kind.add_argument("--reshape-only", action="store_true",
                           help="no training: choose the tree of the existing heads again, for this machine")
@@ -314,9 +321,9 @@ def run_train_cmd(args) -> int:
 
 def add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the default pair on a few prompts: speculative vs plain")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--k", type=int, default=None)
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="most tokens per answer (default: 96)")
+    p.add_argument("--k", type=int, default=None, help="fixed draft length (default: adaptive)")
+    p.add_argument("--dtype", default=None, help="bf16 (default) or fp32")
     p.add_argument("--profile", help="a `specdecode tune` profile: k chosen adaptively from its measurements")
     p.set_defaults(func=run_demo_cmd)
 
@@ -326,6 +333,52 @@ def run_demo_cmd(args) -> int:
 
     run_demo(max_new_tokens=args.max_new_tokens, k=args.k, dtype=args.dtype, profile=args.profile)
     return 0
+
+
+def add_check(sub) -> None:
+    p = sub.add_parser("check", help="test that a configuration is lossless: greedy identity and per-position "
+                       "chi-square tests against plain decoding; exit 1 on a failure")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"registry name, transformers folder or .gguf (default: {DEFAULT_TARGET})")
+    p.add_argument("--draft", help="draft model (registry name or path); implies --drafter draft-model")
+    p.add_argument("--drafter", choices=DRAFTERS, help="how to draft")
+    p.add_argument("--k", type=_k_value, default=None, help="draft tokens per round, or 'auto' (default)")
+    p.add_argument("--heads", "--head", dest="heads", help="Medusa heads / EAGLE head folder")
+    p.add_argument("--profile", help="a profile from `specdecode tune`: it picks the drafter (unless given) and k")
+    p.add_argument("--dtype", default=None, help="bf16 (default) or fp32")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="of the sampled check; 0 = the greedy check only (default: 0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    p.add_argument("--prompts", help="a Spec-Bench / MT-bench question file (JSONL; first turns) instead of "
+                   "the built-in prompts (prose, code edit, code completion, math)")
+    p.add_argument("--greedy-tokens", type=int, default=32,
+                   help="tokens decoded per prompt in the greedy check (default: 32)")
+    p.add_argument("--samples", type=int, default=100, help="runs per arm (speculative, plain) and prompt in the "
+                   "sampled check (default: 100)")
+    p.add_argument("--positions", type=int, default=3, help="generated positions tested, from the second; the "
+                   "first comes from the prefill, before any drafting (default: 3)")
+    p.add_argument("--sampled-prompts", type=int, default=1,
+                   help="prompts of the sampled check, the first ones (default: 1)")
+    p.add_argument("--alpha", type=float, default=0.01, help="family-wise false-alarm rate, Bonferroni over "
+                   "positions x prompts (default: 0.01)")
+    p.add_argument("--seed", type=int, default=0, help="seed of both arms' draws (default: 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: config, results, passed")
+    p.set_defaults(func=run_check_cmd)
+
+
+def run_check_cmd(args) -> int:
+    check_request(args.drafter, args.draft, args.k, args.profile, None, args.heads)
+    from specdecode.commands.check import CheckSettings, format_check, run_check
+
+    settings = CheckSettings(args.target, args.draft, args.drafter, args.k, args.heads, args.profile, args.dtype,
+                             args.temperature, args.top_k, args.top_p, args.greedy_tokens, args.samples,
+                             args.positions, args.alpha, args.seed, args.sampled_prompts)
+    settings.validate()  # before the prompts or any model load
+    questions = load_prompt_file(args.prompts) if args.prompts else None
+    result = run_check(settings, questions, progress=True)
+    print(json.dumps(result) if args.json else format_check(result))
+    return 0 if result["passed"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -338,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tune(sub)
     add_train(sub)
     add_demo(sub)
+    add_check(sub)
     return parser
 
 

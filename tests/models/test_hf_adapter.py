@@ -1,5 +1,6 @@
 """Architectures the native forward does not implement run through the transformers adapter."""
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
@@ -11,6 +12,7 @@ from specdecode.models.load import _load_model
 from specdecode.core.stopping import StopCondition
 
 
+@pytest.mark.slow
 def test_other_architecture_falls_back_and_decodes_like_transformers(tmp_path):
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=64, n_positions=128, n_embd=32, n_layer=2, n_head=2,

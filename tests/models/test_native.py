@@ -107,6 +107,7 @@ def test_bf16_verify_pass_equals_one_token_passes(tiny_llama, bf16_path):
         assert torch.equal(many, ones)
 
 
+@pytest.mark.slow
 def test_bf16_attention_rows_equal_one_row_calls_at_smollm2_head_shapes():
     """torch's bf16 attention at SmolLM2's shapes (9 heads over 3 key-value heads of 64): with
     the rows of a pass folded into one length, a row now and then got other bits than a
