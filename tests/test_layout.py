@@ -10,7 +10,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specdecode"
 # Lower layers never import higher ones; a layer may import itself and anything below.
 LAYERS = {"errors": 0, "options": 1, "suites": 1, "models": 2, "core": 3, "policy": 4, "drafters": 5,
           "heads": 6, "plan": 7, "api": 8, "__init__": 9, "commands": 10}
-LAZY_ALLOWED = {"specdecode.commands.cli"}  # imports each command's module when it runs: torch loads slowly
+# Imports made when first used, so that flags are checked before torch loads (seconds): the
+# command line imports each command's module when it runs, the package its API on first use.
+LAZY_ALLOWED = {"specdecode.commands.cli", "specdecode"}
 
 
 def module_name(path: Path) -> str:
@@ -82,3 +84,14 @@ def test_no_import_cycle():
     for module in sorted(MODULES):
         if module not in state:
             visit(module, [module])
+
+
+def test_a_bad_flag_fails_before_torch_is_imported():
+    import subprocess
+    import sys
+
+    code = ("import sys; from specdecode.commands.cli import main; "
+            "rc = main(['generate', '--prompt', 'hi', '--drafter', 'prompt-lookup', '--k', '0']); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
