@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -226,7 +228,8 @@ def test_the_shared_prefill_gives_what_a_fresh_one_gives(tiny_pair):
     (["--drafter", "prompt-lookup", "--positions", "0"], "--positions must be an integer >= 1"),
     (["--drafter", "prompt-lookup", "--greedy-tokens", "0"], "--greedy-tokens must be an integer >= 1"),
     (["--drafter", "prompt-lookup", "--temperature", "-1"], "temperature must be"),
-    (["--drafter", "prompt-lookup", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--drafter", "prompt-lookup", "--top-p", "0"], "must be in (0, 1]"),
+    (["--drafter", "prompt-lookup", "--samples", "9"], "--samples must be an integer >= 10"),
     (["--drafter", "prompt-lookup", "--k", "0"], "k must be >= 1"),
     (["--drafter", "medusa", "--k", "3"], "--k does not apply to medusa"),
     ([], "name a drafter"),
@@ -238,6 +241,21 @@ def test_bad_flags_exit_2_before_anything_loads(flags, message, capsys, monkeypa
     assert time.perf_counter() - started < 2.0
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+    # the API refuses the same settings (the command line checks them before torch loads)
+    args = build_parser().parse_args(["check", *flags])
+    settings = CheckSettings(args.target, args.draft, args.drafter, args.k, args.heads, args.profile, args.dtype,
+                             args.temperature, args.top_k, args.top_p, args.greedy_tokens, args.samples,
+                             args.positions, args.alpha, args.seed, args.sampled_prompts)
+    with pytest.raises(SpecDecodeError):
+        settings.validate()
+
+
+def test_a_bad_check_flag_fails_before_torch_is_imported():
+    code = ("import sys; from specdecode.commands.cli import main; "
+            "rc = main(['check', '--drafter', 'prompt-lookup', '--samples', '0']); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
 
 
 def test_the_command_line_defaults_are_the_settings_defaults():

@@ -23,7 +23,10 @@ sampling flags), each against plain decoding of the same target:
 
 The check passes when every greedy pair is identical and no p-value falls below the
 threshold. A check whose speculative runs never drafted a token tested nothing; the
-report says how many tokens were drafted and accepted.
+report says how many tokens were drafted and accepted. What the sampled check can see
+depends on N and the prompt: at the defaults it catches gross errors (a rule that keeps
+every draft fails at p < 1e-4 where drafts often miss), while a small bias needs many
+more runs, the distance it can tell from noise shrinking as 1/sqrt(N).
 
 Each sampled run needs only the first P + 1 tokens, so the runs stop there. The prompt's
 prefill is computed once per prompt and shared by every sampled run (`SharedPrefill`):
@@ -78,13 +81,15 @@ DEFAULT_SAMPLED_PROMPTS = 1
 MIN_SAMPLES = 10
 # The built-in prompts, one per kind, short ones (so the prefills cost little): prose,
 # copy-heavy code, code from a signature, arithmetic. The sampled check takes the first
-# --sampled-prompts of them. Prose comes first, a request whose first tokens both vary
-# from run to run and can be drafted: the first tokens of a code answer or of a chat
+# --sampled-prompts of them. Prose comes first: a request whose first tokens vary from run
+# to run and which drafters often miss. The first tokens of a code answer or of a chat
 # model's "Certainly! ..." are nearly certain, which leaves a position test nothing to
-# compare (Qwen2.5-Coder-1.5B, temperature 0.8, 64 runs: 11-21 distinct tokens at
-# positions 0-3 for this story, 2-5 for chat/01), and a free poem gives prompt lookup
-# nothing to copy (SmolLM2: acceptance 0.87 in the story's first tokens, 0 in a poem's).
-PROSE = Question("prose/story", "prose", ("Continue this story in two sentences: The door creaked open and",))
+# compare (Qwen2.5-Coder-1.5B, temperature 0.8, 64 runs: 9-19 distinct tokens at
+# positions 0-3 for this poem, 2-5 for chat/01); and where drafts mostly hit (a story to
+# continue, a sentence to rewrite) a rule that keeps every draft changes the output
+# little, so no test sees it (SmolLM2 with prompt lookup, 100 runs: that rule fails this
+# prompt at p < 1e-4 and passes on those two).
+PROSE = Question("prose/sea-poem", "prose", ("Write a short poem about the sea.",))
 BUILTIN_PROMPTS = (("code-edit", "code-edit/shutil.copyfileobj"), ("code-completion", "HumanEval/24"),
                    ("math", "math/01"))
 END = -1  # the category of a position a run never reached (it ended first)

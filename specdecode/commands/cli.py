@@ -368,14 +368,29 @@ def add_check(sub) -> None:
 
 
 def run_check_cmd(args) -> int:
+    # Every flag is checked before torch loads; CheckSettings.validate checks again for API callers.
     check_request(args.drafter, args.draft, args.k, args.profile, None, args.heads)
+    if args.drafter is None and args.draft is None and args.profile is None:
+        raise SpecDecodeError("check compares speculative with plain decoding: name a drafter "
+                              "(--draft, --drafter or --profile)")
+    for flag, value, least in (("--greedy-tokens", args.greedy_tokens, 1), ("--samples", args.samples, 10),
+                               ("--positions", args.positions, 1), ("--sampled-prompts", args.sampled_prompts, 1),
+                               ("--top-k", args.top_k, 0)):
+        if value < least:
+            raise SpecDecodeError(f"{flag} must be an integer >= {least}, got {value!r}")
+    if not 0.0 <= args.temperature < float("inf"):  # also NaN
+        raise SpecDecodeError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature!r}")
+    if not 0.0 < args.top_p <= 1.0:
+        raise SpecDecodeError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p!r}")
+    if not 0.0 < args.alpha < 1.0:
+        raise SpecDecodeError(f"--alpha must be in (0, 1), got {args.alpha!r}")
+    questions = load_prompt_file(args.prompts) if args.prompts else None
     from specdecode.commands.check import CheckSettings, format_check, run_check
 
     settings = CheckSettings(args.target, args.draft, args.drafter, args.k, args.heads, args.profile, args.dtype,
                              args.temperature, args.top_k, args.top_p, args.greedy_tokens, args.samples,
                              args.positions, args.alpha, args.seed, args.sampled_prompts)
-    settings.validate()  # before the prompts or any model load
-    questions = load_prompt_file(args.prompts) if args.prompts else None
+    settings.validate()
     result = run_check(settings, questions, progress=True)
     print(json.dumps(result) if args.json else format_check(result))
     return 0 if result["passed"] else 1
