@@ -2,6 +2,8 @@
 import hidden inside a function to dodge one."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,12 +88,12 @@ def test_no_import_cycle():
             visit(module, [module])
 
 
-def test_a_bad_flag_fails_before_torch_is_imported():
-    import subprocess
-    import sys
-
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "hi", "--drafter", "prompt-lookup", "--k", "0"],
+    ["check", "--drafter", "prompt-lookup", "--samples", "0"],
+])
+def test_a_bad_flag_fails_before_torch_is_imported(argv):
     code = ("import sys; from specdecode.commands.cli import main; "
-            "rc = main(['generate', '--prompt', 'hi', '--drafter', 'prompt-lookup', '--k', '0']); "
-            "print(rc, 'torch' in sys.modules)")
+            f"rc = main({argv!r}); print(rc, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["2", "False"], out.stdout + out.stderr
