@@ -91,7 +91,7 @@ def test_unknown_model_is_refused():
 @pytest.mark.real
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", "   "], "prompt is empty"),
-    (["--prompt", "hi", "--max-new-tokens", "-1"], "max_new_tokens"),
+    (["--prompt", "hi", "--max-new-tokens", "-1"], "--max-new-tokens"),
     (["--prompt", "hi", "--drafter", "prompt-lookup", "--k", "0"], "k must be"),
     (["--prompt", "hi", "--drafter", "prompt-lookup", "--draft", "smollm2-135m-instruct"], "does not go with"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),

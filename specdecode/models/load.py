@@ -54,26 +54,40 @@ class LoadedModel:
     info: ModelInfo
 
 
-@functools.lru_cache(maxsize=4)
 def load_model(source: str, dtype: str | None = None, backend: str = "auto") -> LoadedModel:
-    """`load`, kept for the life of the process, keyed by (source, dtype, backend)."""
-    return LoadedModel(*load(source, dtype, backend))
+    """`load`, the weights kept for the life of the process. The source is resolved on every
+    call (cheap once cached), so a model removed from the cache is fetched again."""
+    if backend not in BACKENDS:
+        raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    torch_dtype = parse_dtype(dtype)
+    return _loaded(source, _folder(source, torch_dtype, progress=True), torch_dtype, backend)
 
 
 def load(source: str, dtype: str | torch.dtype | None = None, backend: str = "auto", progress: bool = True):
     """Returns (model, tokenizer, info). The model is pulled and converted on first use."""
-    from transformers import AutoTokenizer
-
     if backend not in BACKENDS:
         raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     torch_dtype = parse_dtype(dtype)
+    loaded = _load_folder(source, _folder(source, torch_dtype, progress), torch_dtype, backend)
+    return loaded.model, loaded.tokenizer, loaded.info
+
+
+def _folder(source: str, dtype: torch.dtype, progress: bool) -> Path:
     # only the weights this dtype reads are converted (and, for the HF backend, linked where
     # transformers looks); see store.ensure_weights
-    folder = resolve(source, progress=progress, dtype="bf16" if torch_dtype == torch.bfloat16 else "fp32")
-    model = _load_model(folder, torch_dtype, backend)
+    return resolve(source, progress=progress, dtype="bf16" if dtype == torch.bfloat16 else "fp32")
+
+
+def _load_folder(source: str, folder: Path, dtype: torch.dtype, backend: str) -> LoadedModel:
+    from transformers import AutoTokenizer
+
+    model = _load_model(folder, dtype, backend)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    info = ModelInfo(source, folder, _manifest(folder).get("sha256"), eos_token_ids(folder, tokenizer))
-    return model, tokenizer, info
+    return LoadedModel(model, tokenizer,
+                       ModelInfo(source, folder, _manifest(folder).get("sha256"), eos_token_ids(folder, tokenizer)))
+
+
+_loaded = functools.lru_cache(maxsize=4)(_load_folder)
 
 
 def _load_model(folder: Path, dtype: torch.dtype, backend: str):
