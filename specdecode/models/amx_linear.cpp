@@ -138,4 +138,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("cache_attention", &cache_attention);
   m.def("decoder_stack", &decoder_stack);
+  m.def("quant_linear", &quant_linear);
 }

@@ -11,6 +11,8 @@ inline void check_bf16(const torch::Tensor& t, const char* name) {
 }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t N);
+torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c10::optional<torch::Tensor> bias,
+                           int64_t N);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
 torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated, int64_t hd);

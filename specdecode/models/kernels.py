@@ -37,9 +37,10 @@ KINDS = ("amx", "avx2")  # the builds, best first
 CHOICES = ("auto", *KINDS, "onednn")
 _HERE = Path(__file__).parent
 SOURCES = {
-    "amx": [_HERE / n for n in ("amx_linear.cpp", "cpu_ops.cpp", "rope.cpp", "attention.cpp", "decoder_layer.cpp")],
+    "amx": [_HERE / n for n in ("amx_linear.cpp", "cpu_ops.cpp", "rope.cpp", "attention.cpp", "decoder_layer.cpp",
+                                "quant_linear.cpp")],
     "avx2": [_HERE / n for n in ("avx2_linear.cpp", "avx2_ops.cpp", "rope.cpp", "avx2_attention.cpp",
-                                 "decoder_layer.cpp")],
+                                 "decoder_layer.cpp", "quant_linear.cpp")],
 }
 HEADERS = {  # part of the build's key, not compiled alone
     "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h"],
@@ -47,7 +48,7 @@ HEADERS = {  # part of the build's key, not compiled alone
 }
 FLAGS = {
     "amx": ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
-    "avx2": ["-O3", "-mavx2", "-mfma", "-fopenmp"],
+    "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
 }
 GROUP, STEP = 64, 32  # AMX: outputs per packed group, K per tile step (see amx_linear.cpp)
 BLOCK = 32  # AVX2: outputs per packed block (see avx2_linear.cpp)

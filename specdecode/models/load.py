@@ -19,20 +19,33 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.config import UnsupportedModel
 from specdecode.models.hf_adapter import HFModel
 from specdecode.models.native import NativeModel
+from specdecode.models.quant import QUANTIZABLE
 from specdecode.models.store import resolve
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
+# Quantized weights, bf16 activations: "gguf" runs a GGUF file's own blocks, "q8_0" and
+# "q4_0" quantize a float model's matrices (quant.py).
+QUANT_DTYPES = ("gguf", *QUANTIZABLE)
 DEFAULT_DTYPE = "bf16"
 BACKENDS = ("auto", "native", "hf")
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """The dtype of activations (and of float weights) a dtype name runs in."""
     if isinstance(dtype, torch.dtype):
         return dtype
     key = (dtype or DEFAULT_DTYPE).lower()
+    if key in QUANT_DTYPES:
+        return torch.bfloat16
     if key not in DTYPES:
-        raise SpecDecodeError(f"unknown dtype {dtype!r}; choose one of bf16, fp32")
+        raise SpecDecodeError(f"unknown dtype {dtype!r}; choose one of bf16, fp32, {', '.join(QUANT_DTYPES)}")
     return DTYPES[key]
+
+
+def quant_format(dtype: str | torch.dtype | None) -> str | None:
+    """"gguf", "q8_0", "q4_0" for quantized weights, None for float ones."""
+    key = dtype.lower() if isinstance(dtype, str) else None
+    return key if key in QUANT_DTYPES else None
 
 
 @dataclass(frozen=True)
@@ -59,29 +72,32 @@ def load_model(source: str, dtype: str | None = None, backend: str = "auto") -> 
     call (cheap once cached), so a model removed from the cache is fetched again."""
     if backend not in BACKENDS:
         raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    torch_dtype = parse_dtype(dtype)
-    return _loaded(source, _folder(source, torch_dtype, progress=True), torch_dtype, backend)
+    torch_dtype, quant = parse_dtype(dtype), quant_format(dtype)
+    return _loaded(source, _folder(source, torch_dtype, quant, progress=True), torch_dtype, quant, backend)
 
 
 def load(source: str, dtype: str | torch.dtype | None = None, backend: str = "auto", progress: bool = True):
     """Returns (model, tokenizer, info). The model is pulled and converted on first use."""
     if backend not in BACKENDS:
         raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    torch_dtype = parse_dtype(dtype)
-    loaded = _load_folder(source, _folder(source, torch_dtype, progress), torch_dtype, backend)
+    torch_dtype, quant = parse_dtype(dtype), quant_format(dtype)
+    loaded = _load_folder(source, _folder(source, torch_dtype, quant, progress), torch_dtype, quant, backend)
     return loaded.model, loaded.tokenizer, loaded.info
 
 
-def _folder(source: str, dtype: torch.dtype, progress: bool) -> Path:
+def _folder(source: str, dtype: torch.dtype, quant: str | None, progress: bool) -> Path:
     # only the weights this dtype reads are converted (and, for the HF backend, linked where
-    # transformers looks); see store.ensure_weights
-    return resolve(source, progress=progress, dtype="bf16" if dtype == torch.bfloat16 else "fp32")
+    # transformers looks); see store.ensure_weights. A GGUF's own blocks need none.
+    weights = None if quant == "gguf" else "bf16" if dtype == torch.bfloat16 else "fp32"
+    return resolve(source, progress=progress, dtype=weights)
 
 
-def _load_folder(source: str, folder: Path, dtype: torch.dtype, backend: str) -> LoadedModel:
+def _load_folder(source: str, folder: Path, dtype: torch.dtype, quant: str | None, backend: str) -> LoadedModel:
     from transformers import AutoTokenizer
 
-    model = _load_model(folder, dtype, backend)
+    if quant is not None and backend == "hf":
+        raise SpecDecodeError(f"--dtype {quant} runs on the native backend only")
+    model = NativeModel.from_folder(folder, dtype, quant) if quant else _load_model(folder, dtype, backend)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return LoadedModel(model, tokenizer,
                        ModelInfo(source, folder, _manifest(folder).get("sha256"), eos_token_ids(folder, tokenizer)))

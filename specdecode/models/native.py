@@ -45,6 +45,9 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.kv_cache import BLOCK, KVCache
 from specdecode.models.layer_ops import FusedOps, TorchOps, layer_ops
 from specdecode.models.linear import ROW_INVARIANT_ROWS, Linear
+from specdecode.models.gguf_weights import load_gguf_weights
+from specdecode.models.quant import Q8_0, QUANTIZABLE, QuantEmbedding, QuantLinear, QuantTensor, quantize_matrices
+from specdecode.models.store import gguf_file
 from specdecode.models.path_attention import PathPlan, plan_paths
 from specdecode.models.weights import load_weights
 
@@ -120,35 +123,47 @@ class NativeModel:
 
         weights = dict(weights)  # popped as used, so fused copies do not double peak memory
 
-        def w(name: str) -> torch.Tensor:
-            return weights.pop(name).to(dtype)
+        def w(name: str) -> torch.Tensor | QuantTensor:
+            tensor = weights.pop(name)
+            return tensor if isinstance(tensor, QuantTensor) else tensor.to(dtype)
 
         def opt(name: str) -> torch.Tensor | None:
             return weights.pop(name).to(dtype) if name in weights else None
 
-        self.embed = w("model.embed_tokens.weight")
+        def matrix(names: list[str], bias_names: list[str]) -> Linear | QuantLinear:
+            """One product over the matrices stacked by output: fewer, larger products stream faster."""
+            parts = [w(n) for n in names]
+            biases = [opt(n) for n in bias_names]
+            bias = torch.cat(biases) if all(b is not None for b in biases) else None
+            if any(isinstance(p, QuantTensor) for p in parts):  # a float part among quantized ones runs as Q8_0
+                return QuantLinear([p if isinstance(p, QuantTensor) else QuantTensor.quantize(p, Q8_0) for p in parts],
+                                   bias)
+            return Linear(torch.cat(parts) if len(parts) > 1 else parts[0], bias)
+
+        embed = w("model.embed_tokens.weight")
+        self.embed = QuantEmbedding(embed, dtype) if isinstance(embed, QuantTensor) else embed
         self.layers: list[Layer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-            qkv_b = torch.cat(biases) if all(b is not None for b in biases) else None
-            gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
-            gate_b, up_b = opt(p + "mlp.gate_proj.bias"), opt(p + "mlp.up_proj.bias")
+            attn, mlp = [p + f"self_attn.{n}_proj." for n in "qkv"], [p + f"mlp.{n}_proj." for n in ("gate", "up")]
             self.layers.append(Layer(
                 attn_norm=w(p + "input_layernorm.weight"),
-                qkv=Linear(qkv_w, qkv_b),
-                o=Linear(w(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
+                qkv=matrix([n + "weight" for n in attn], [n + "bias" for n in attn]),
+                o=matrix([p + "self_attn.o_proj.weight"], [p + "self_attn.o_proj.bias"]),
                 mlp_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(gate_up_w, None if gate_b is None else torch.cat([gate_b, up_b])),
-                down=Linear(w(p + "mlp.down_proj.weight"), opt(p + "mlp.down_proj.bias")),
+                gate_up=matrix([n + "weight" for n in mlp], [n + "bias" for n in mlp]),
+                down=matrix([p + "mlp.down_proj.weight"], [p + "mlp.down_proj.bias"]),
             ))
         self.norm = w("model.norm.weight")
-        head = weights.pop("lm_head.weight", None) if not c.tie_word_embeddings else None
-        self.lm_head = Linear(self.embed if head is None else head.to(dtype))
-        # The plain matrix, for training drafter heads through it (tied models only: an
-        # untied head lives packed, and training reads it from the weights file instead).
-        self.lm_head_weight = self.embed if head is None else None
+        head = weights.pop("lm_head.weight", None) if not c.tie_word_embeddings or isinstance(embed, QuantTensor) else None
+        head = embed if head is None else head  # a GGUF may store a tied model's head apart, in its own type
+        if isinstance(head, QuantTensor):
+            self.lm_head = QuantLinear([head])
+        else:
+            self.lm_head = Linear(head.to(dtype))
+        # The plain matrix, for training drafter heads through it (tied float models only: an
+        # untied or quantized head lives packed, and training reads it from the weights file).
+        self.lm_head_weight = self.embed if head is embed and not isinstance(embed, QuantTensor) else None
         self.ops = layer_ops(dtype)
         # Every layer in one call (decoder_layer.cpp) where every matrix is on this machine's
         # kernel and needs no padding, as kernels.linear would add. Off: the same kernels one by one.
@@ -168,10 +183,19 @@ class NativeModel:
                 [layer.mlp_norm for layer in self.layers], next_norms)
 
     @classmethod
-    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16) -> "NativeModel":
+    def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+                    quant: str | None = None) -> "NativeModel":
+        """quant: None (float weights in `dtype`), "gguf" (the folder's GGUF blocks as stored)
+        or a type to quantize the float weights to ("q8_0", "q4_0")."""
         folder = Path(folder)
         config = ModelConfig.from_folder(folder)
-        return cls(config, load_weights(folder, dtype), dtype)
+        if quant == "gguf":
+            weights = load_gguf_weights(gguf_file(folder), config)
+        elif quant is not None:
+            weights = quantize_matrices(load_weights(folder, dtype), QUANTIZABLE[quant])
+        else:
+            weights = load_weights(folder, dtype)
+        return cls(config, weights, dtype)
 
     # ---- cache and bookkeeping -------------------------------------------------------
 
@@ -257,7 +281,7 @@ class NativeModel:
             # very one again in every layer (0 where allowed, -inf elsewhere, in the query dtype).
             attention = [(plan, additive_mask(allowed, self.dtype)) for plan, allowed in attention]
 
-        x = F.embedding(tokens, self.embed)  # (B, T, H)
+        x = self.embed[tokens]  # (B, T, H)
         hidden: dict[int, torch.Tensor] = {}
         if 0 in hidden_layers:
             hidden[0] = x

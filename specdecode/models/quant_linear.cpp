@@ -1,0 +1,293 @@
+// Linear layers over GGUF's quantized blocks, as the file stores them: y = x @ W.T + b.
+//
+// W is one or more parts stacked along the outputs (a fused q|k|v may mix Q4_K and Q6_K
+// rows), each a uint8 tensor (rows, blocks per row, bytes per block) in GGUF's own row
+// layout; the bytes per block name the type (quant.py): 144 Q4_K, 210 Q6_K, 34 Q8_0,
+// 18 Q4_0, 20 Q4_1.
+//
+// Each row of x is quantized on its own, as llama.cpp does: to 8 bits per 256 values with
+// one fp32 scale and the sums of each 16 (Q8_K) for the K-quants, per 32 for the others. A weight
+// block is unpacked to bytes once and applied to every row of the call; within a block
+// the products are summed in integers (exact), and the blocks' scaled sums are added into
+// eight fp32 lanes in block order, then summed across lanes. So every output is the same sequence of operations whatever the
+// number of rows: a verify pass gives each token bitwise the output of a one-token pass.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+constexpr int64_t QK_K = 256;  // values per K-quant block
+constexpr int64_t QK8_0 = 32;  // values per Q8_0 block
+constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One row's activations quantized to 8 bits: per block a scale, the values and the sums of
+// each 16 values, which carry the weights' offsets (Q4_K's mins, Q6_K's -32, Q4_x's).
+struct Q8Row {
+  std::vector<float> d;
+  std::vector<int8_t> q;
+  std::vector<int16_t> sums16;
+};
+
+// x (K floats) -> blocks of `block` values scaled to [-127, 127], rounded to nearest even.
+Q8Row quantize_row(const float* x, int64_t K, int64_t block) {
+  Q8Row row;
+  const int64_t n = K / block;
+  row.d.resize(n);
+  row.q.resize(K);
+  row.sums16.resize(K / 16);
+  for (int64_t b = 0; b < n; ++b) {
+    const float* xb = x + b * block;
+    float amax = 0.f;
+    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float iscale = amax > 0.f ? 127.f / amax : 0.f;
+    row.d[b] = amax / 127.f;
+    for (int64_t i = 0; i < block; ++i) row.q[b * block + i] = static_cast<int8_t>(std::nearbyint(xb[i] * iscale));
+  }
+  for (int64_t g = 0; g < K / 16; ++g) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; ++i) s += row.q[g * 16 + i];
+    row.sums16[g] = static_cast<int16_t>(s);
+  }
+  return row;
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Each block type: `unpack` a block once, then `dot` it with block b of any number of rows,
+// adding to that row's eight fp32 lanes (summed once the row of weights is done).
+
+// Q4_K: d, dmin (fp16), 12 bytes of 6-bit scales and mins for 8 groups of 32, 128 bytes of
+// nibbles (low nibbles of bytes 32j.. are values 64j.., high nibbles values 64j + 32..).
+// A value is d * scale[g] * q - dmin * min[g].
+struct Q4K {
+  static constexpr int64_t BYTES = Q4_K_BYTES, VALUES = QK_K;
+  __m256i v[8], scale[8];
+  __m128i mins;
+  float d, dmin;
+
+  void unpack(const uint8_t* b) {
+    d = half_to_float(b);
+    dmin = half_to_float(b + 2);
+    uint32_t u[4];  // the 12 bytes of scales and mins -> 8 scales, then 8 mins, a byte each
+    std::memcpy(u, b + 4, 12);
+    constexpr uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, two = 0x03030303;
+    u[3] = ((u[2] >> 4) & four) | (((u[1] >> 6) & two) << 4);
+    const uint32_t low_mins = u[1] & six;
+    u[1] = (u[2] & four) | (((u[0] >> 6) & two) << 4);
+    u[2] = low_mins;
+    u[0] &= six;
+    const __m256i both = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));  // 8 scales, 8 mins
+    mins = _mm256_extracti128_si256(both, 1);
+    const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(both));
+    for (int g = 0; g < 8; ++g) scale[g] = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(static_cast<int16_t>(0x0100 + 0x0202 * g)));
+    const __m256i low = _mm256_set1_epi8(0xF);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load32(b + 16 + 32 * j);
+      v[2 * j] = _mm256_and_si256(raw, low);
+      v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+  }
+
+  void dot(const Q8Row& x, int64_t b, __m256& acc) const {
+    const int8_t* q = x.q.data() + b * QK_K;
+    __m256i sum = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g)
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v[g], load32(q + 32 * g)), scale[g]));
+    const __m256i s16 = load32(x.sums16.data() + b * 16);  // sums of 16; pairs of them make the groups of 32
+    const __m128i groups = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+    const __m128i offset = _mm_madd_epi16(mins, groups);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(sum), acc);
+    acc = _mm256_fnmadd_ps(_mm256_set1_ps(x.d[b] * dmin), _mm256_cvtepi32_ps(_mm256_zextsi128_si256(offset)), acc);
+  }
+};
+
+// Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16
+// values), d (fp16). In each half of 128 values, value l (0-31) takes the low nibble of
+// ql[l] and bits 0-1 of qh[l]; l + 32: ql[l + 32], bits 2-3; l + 64: the high nibble of
+// ql[l], bits 4-5; l + 96: the high nibble of ql[l + 32], bits 6-7. A value is
+// d * scale[i / 16] * (q - 32).
+struct Q6K {
+  static constexpr int64_t BYTES = Q6_K_BYTES, VALUES = QK_K;
+  __m256i v[8], scales[8], scale16;
+  float d;
+
+  void unpack(const uint8_t* b) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    d = half_to_float(b + 208);
+    const __m256i low = _mm256_set1_epi8(0xF), two = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = load32(ql + 64 * h), l1 = load32(ql + 64 * h + 32), hi = load32(qh + 32 * h);
+      auto bits = [&](int shift) {  // (hi >> shift) & 3, moved to bits 4-5
+        return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, shift), two), 4);
+      };
+      v[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, low), bits(0));
+      v[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low), bits(2));
+      v[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), bits(4));
+      v[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low), bits(6));
+    }
+    scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m256i halves[2] = {_mm256_broadcastsi128_si256(_mm256_castsi256_si128(scale16)),
+                               _mm256_broadcastsi128_si256(_mm256_extracti128_si256(scale16, 1))};
+    for (int c = 0; c < 8; ++c) {  // values 32c.. take scale 2c, values 32c + 16.. scale 2c + 1
+      const int16_t first = static_cast<int16_t>(0x0100 + 0x0202 * (2 * c % 8));
+      scales[c] = _mm256_shuffle_epi8(halves[c / 4], _mm256_set_m128i(_mm_set1_epi16(first + 0x0202), _mm_set1_epi16(first)));
+    }
+  }
+
+  void dot(const Q8Row& x, int64_t b, __m256& acc) const {
+    const int8_t* q = x.q.data() + b * QK_K;
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c)
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v[c], load32(q + 32 * c)), scales[c]));
+    const __m256i offset = _mm256_madd_epi16(scale16, load32(x.sums16.data() + b * 16));  // the -32, times 1/32
+    sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(sum), acc);
+  }
+};
+
+// Q4_0 and Q4_1: d (fp16), for Q4_1 an offset m (fp16), and 16 bytes of nibbles: the low
+// nibble of byte j is value j, the high one value j + 16. A value is d * (q - 8) (Q4_0) or
+// d * q + m (Q4_1). Rows are quantized per 32, whose sums carry the offset.
+template <bool WITH_MIN>
+struct Q4Legacy {
+  static constexpr int64_t BYTES = WITH_MIN ? Q4_1_BYTES : Q4_0_BYTES, VALUES = QK8_0;
+  __m256i v;
+  float d, m;
+
+  void unpack(const uint8_t* b) {
+    d = half_to_float(b);
+    m = WITH_MIN ? half_to_float(b + 2) : 0.f;
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (WITH_MIN ? 4 : 2)));
+    const __m128i low = _mm_set1_epi8(0xF);
+    v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+  }
+
+  void dot(const Q8Row& x, int64_t b, __m256& acc) const {
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, load32(x.q.data() + b * QK8_0)), _mm256_set1_epi16(1));
+    const int32_t sum = x.sums16[2 * b] + x.sums16[2 * b + 1];
+    if (WITH_MIN) {
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(p), acc);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * m), _mm256_setr_ps(sum, 0, 0, 0, 0, 0, 0, 0), acc);
+    } else {
+      p = _mm256_sub_epi32(p, _mm256_setr_epi32(8 * sum, 0, 0, 0, 0, 0, 0, 0));
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(p), acc);
+    }
+  }
+};
+
+// Q8_0: d (fp16) and 32 int8 values; a value is d * q. Rows are quantized per 32 to match.
+struct Q80 {
+  static constexpr int64_t BYTES = Q8_0_BYTES, VALUES = QK8_0;
+  __m256i magnitude, sign;
+  float d;
+
+  void unpack(const uint8_t* b) {
+    d = half_to_float(b);
+    const __m256i q = load32(b + 2);
+    magnitude = _mm256_sign_epi8(q, q);  // |q|, so maddubs may take it as unsigned
+    sign = q;
+  }
+
+  void dot(const Q8Row& x, int64_t b, __m256& acc) const {
+    const __m256i signed_x = _mm256_sign_epi8(load32(x.q.data() + b * QK8_0), sign);
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(p), acc);
+  }
+};
+
+// out[m * ldo + n] = row n of `w` (rows [n0, n1)) times activation row m, blocks summed in order.
+template <typename Block>
+void rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t n0, int64_t n1, float* out,
+                int64_t ldo) {
+  const int64_t M = static_cast<int64_t>(x.size());
+  std::vector<__m256> acc(M);
+  Block block;
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+    const uint8_t* row = w + n * blocks * Block::BYTES;
+    for (int64_t b = 0; b < blocks; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + (b + 4) * Block::BYTES), _MM_HINT_T0);
+      block.unpack(row + b * Block::BYTES);
+      for (int64_t m = 0; m < M; ++m) block.dot(x[m], b, acc[m]);
+    }
+    for (int64_t m = 0; m < M; ++m) out[m * ldo + n] = hsum(acc[m]);
+  }
+}
+
+int64_t block_values(int64_t bytes) {
+  switch (bytes) {
+    case Q4_K_BYTES:
+    case Q6_K_BYTES: return QK_K;
+    case Q8_0_BYTES:
+    case Q4_0_BYTES:
+    case Q4_1_BYTES: return QK8_0;
+  }
+  TORCH_CHECK(false, "quant_linear: unknown block of ", bytes, " bytes (Q4_K 144, Q6_K 210, Q8_0 34, Q4_0 18, Q4_1 20)");
+}
+
+}  // namespace
+
+// x (M, K) bf16 or fp32; parts: uint8 (rows_i, K / values per block, bytes per block), their
+// rows summing to N; bias (N) or None. Returns (M, N) in x's dtype.
+torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c10::optional<torch::Tensor> bias,
+                           int64_t N) {
+  TORCH_CHECK(x.dim() == 2, "quant_linear: x must be (rows, K)");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  bool k_quants = false, q8_0 = false;
+  int64_t rows = 0;
+  for (const auto& p : parts) {
+    TORCH_CHECK(p.scalar_type() == torch::kUInt8 && p.is_contiguous() && p.dim() == 3,
+                "quant_linear: each part must be contiguous uint8 (rows, blocks, bytes per block)");
+    const int64_t values = block_values(p.size(2));
+    TORCH_CHECK(p.size(1) * values == K, "quant_linear: a part's blocks cover ", p.size(1) * values, " inputs, not ", K);
+    (values == QK_K ? k_quants : q8_0) = true;
+    rows += p.size(0);
+  }
+  TORCH_CHECK(rows == N, "quant_linear: the parts hold ", rows, " rows, not ", N);
+  std::vector<Q8Row> x8k, x80;
+  for (int64_t m = 0; m < M; ++m) {
+    if (k_quants) x8k.push_back(quantize_row(xp + m * K, K, QK_K));
+    if (q8_0) x80.push_back(quantize_row(xp + m * K, K, QK8_0));
+  }
+  auto y = torch::empty({M, N}, torch::kFloat32);
+  float* yp = y.data_ptr<float>();
+  int64_t first = 0;
+  for (const auto& p : parts) {
+    const uint8_t* w = p.data_ptr<uint8_t>();
+    const int64_t blocks = p.size(1), bytes = p.size(2), n_rows = p.size(0);
+    float* out = yp + first;
+    // grain 16 rows: at most 16 x 210 x 35 bytes (118 KB) of weights per task on the widest
+    at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
+      if (bytes == Q4_K_BYTES) rows_times<Q4K>(w, blocks, x8k, n0, n1, out, N);
+      else if (bytes == Q6_K_BYTES) rows_times<Q6K>(w, blocks, x8k, n0, n1, out, N);
+      else if (bytes == Q8_0_BYTES) rows_times<Q80>(w, blocks, x80, n0, n1, out, N);
+      else if (bytes == Q4_0_BYTES) rows_times<Q4Legacy<false>>(w, blocks, x80, n0, n1, out, N);
+      else rows_times<Q4Legacy<true>>(w, blocks, x80, n0, n1, out, N);
+    });
+    first += n_rows;
+  }
+  if (bias.has_value()) y.add_(bias->to(torch::kFloat32));
+  return y.to(x.scalar_type());
+}

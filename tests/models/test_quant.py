@@ -1,0 +1,143 @@
+"""Quantized weights: the kernel's products against the `gguf` package's dequantizer, rows
+independent of the row count (what keeps speculative output identical), and GGUF files
+read under transformers' names."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from specdecode.core.engine import decode
+from specdecode.core.events import collect
+from specdecode.core.stopping import StopCondition
+from specdecode.drafters import DraftModel, PromptLookup
+from specdecode.errors import SpecDecodeError
+from specdecode.models.native import NativeModel
+from specdecode.models.quant import KERNEL_TYPES, QuantLinear, QuantTensor
+
+FP16_FIELDS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2)}  # byte offsets of scales
+
+
+def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> QuantTensor:
+    """Random bytes in every field, with small finite fp16 scales: any bit pattern of the
+    values is a valid block, so this reaches every code the kernel decodes."""
+    values, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // values, size), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        scales = (rng.standard_normal((rows, cols // values)) * 0.01).astype(np.float16)
+        raw[..., offset:offset + 2] = scales[..., None].view(np.uint8)
+    return QuantTensor.from_blocks(qtype, raw, rows)
+
+
+def quantized_rows(x: torch.Tensor, block: int) -> np.ndarray:
+    """Rows of x as the kernel quantizes them (8 bits per `block` values, nearest even), in float64."""
+    x = x.float().numpy().reshape(-1, block)
+    amax = np.abs(x).max(axis=1)
+    iscale = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), 0).astype(np.float32)
+    q = np.rint(x * iscale[:, None])
+    return (q * (amax / np.float32(127)).astype(np.float64)[:, None]).reshape(-1)
+
+
+def reference(x: torch.Tensor, w: QuantTensor) -> np.ndarray:
+    block = 256 if w.qtype in (T.Q4_K, T.Q6_K) else 32
+    rows = np.stack([quantized_rows(r, block) for r in x])
+    return rows @ w.dequantize().double().numpy().T
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_kernel_product_matches_the_dequantized_blocks(qtype, kernel_module):
+    w = random_blocks(qtype, 40, 512)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = kernel_module.quant_linear(x, [w.data], None, 40).float().numpy()
+    want = reference(x, w)
+    # the integer sums are exact; what remains is fp32 accumulation and the bf16 output
+    assert np.abs(y - want).max() <= 1e-2 * np.abs(want).max()
+    y32 = kernel_module.quant_linear(x.float(), [w.data], None, 40).double().numpy()
+    assert np.abs(y32 - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_each_row_is_bitwise_its_one_row_product(qtype, kernel_module):
+    w = random_blocks(qtype, 70, 512, seed=2)
+    x = torch.randn(17, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [w.data], None, 70) for i in range(17)])
+    for rows in (2, 3, 8, 17):
+        assert torch.equal(kernel_module.quant_linear(x[:rows], [w.data], None, 70), alone[:rows])
+
+
+def test_stacked_parts_of_mixed_types_equal_their_products_side_by_side(kernel_module):
+    parts = [random_blocks(T.Q4_K, 48, 512, 4), random_blocks(T.Q6_K, 16, 512, 5), random_blocks(T.Q4_K, 16, 512, 6)]
+    bias = torch.randn(80).to(torch.bfloat16)
+    layer = QuantLinear(parts, bias)
+    assert layer.types == ["Q4_K", "Q6_K", "Q4_K"] and layer.out_features == 80
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    apart = torch.cat([kernel_module.quant_linear(x.float(), [p.data], None, p.shape[0]) for p in parts], dim=1)
+    assert torch.equal(layer(x), (apart + bias.float()).to(torch.bfloat16))
+
+
+def test_quantize_refuses_rows_the_blocks_do_not_divide():
+    with pytest.raises(SpecDecodeError, match="multiple of 32"):
+        QuantTensor.quantize(torch.randn(4, 40), T.Q8_0)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
+def test_quantized_verify_pass_equals_one_token_passes(tiny_llama, quant, kernel_module):
+    model = NativeModel.from_folder(tiny_llama, torch.bfloat16, quant)
+    assert all(isinstance(m, QuantLinear) for layer in model.layers for m in layer.matrices)
+    seq = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    for k in (1, 4, 9):
+        batched, single = model.new_cache(), model.new_cache()
+        model(seq[:, :20], batched)
+        model(seq[:, :20], single)
+        many = model(seq[:, 20:21 + k], batched).logits
+        ones = torch.cat([model(seq[:, i:i + 1], single).logits for i in range(20, 21 + k)], dim=1)
+        assert torch.equal(many, ones)
+
+
+def test_quantized_greedy_speculation_is_identical_to_plain_decoding(tiny_llama, tiny_llama_other, kernel_module):
+    target = NativeModel.from_folder(tiny_llama, torch.bfloat16, "q4_0")
+    same = NativeModel.from_folder(tiny_llama, torch.bfloat16, "q8_0")  # a close drafter, not the same numbers
+    other = NativeModel.from_folder(tiny_llama_other, torch.bfloat16, "q8_0")
+    prompt, stop = [5, 17, 42, 8, 17, 42, 8, 91, 5, 17, 42], StopCondition(max_new_tokens=40)
+    plain, _ = collect(decode(target, prompt, stop))
+    for drafter in (DraftModel(same, target.vocab_size), DraftModel(other, target.vocab_size), PromptLookup()):
+        for k in (2, 5):
+            assert collect(decode(target, prompt, stop, drafter=drafter, k=k))[0] == plain
+
+
+@pytest.mark.real
+def test_smollm2_gguf_blocks_are_the_converted_weights_exactly(smollm2_folder):
+    """The file's Q4_1 and Q8_0 blocks, read under transformers' names with the rope rows
+    put back in order, dequantize to exactly what transformers' GGUF loader made of them."""
+    from safetensors.torch import load_file
+
+    from specdecode.models.config import ModelConfig
+    from specdecode.models.gguf_weights import load_gguf_weights
+    from specdecode.models.store import ensure_weights, gguf_file
+
+    weights = load_gguf_weights(gguf_file(smollm2_folder), ModelConfig.from_folder(smollm2_folder))
+    converted = load_file(ensure_weights(smollm2_folder, "fp32"))
+    assert set(weights) == set(converted)
+    assert {w.qtype.name for w in weights.values() if isinstance(w, QuantTensor)} == {"Q4_1", "Q8_0"}
+    for name, tensor in weights.items():
+        values = tensor.dequantize() if isinstance(tensor, QuantTensor) else tensor
+        assert torch.equal(values, converted[name].reshape(values.shape)), name
+
+
+@pytest.mark.real
+def test_smollm2_gguf_prompt_lookup_is_greedy_identical(smollm2_folder):
+    from transformers import AutoTokenizer
+
+    from specdecode.core.prompts import encode_prompt
+
+    model = NativeModel.from_folder(smollm2_folder, torch.bfloat16, "gguf")
+    tokenizer = AutoTokenizer.from_pretrained(str(smollm2_folder))
+    prompt = encode_prompt(tokenizer, "Add type hints to this function:\ndef area(width, height):\n"
+                                      "    return width * height\n")
+    stop = StopCondition(max_new_tokens=48)
+    plain, _ = collect(decode(model, prompt, stop))
+    for k in (2, 6):
+        lookup, done = collect(decode(model, prompt, stop, drafter=PromptLookup(), k=k))
+        assert lookup == plain and done.stats.accepted_tokens > 0
