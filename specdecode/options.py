@@ -11,6 +11,11 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 DRAFTERS = ("draft-model", "prompt-lookup", "hybrid", "medusa", "draft-tree", "eagle")
 TREE_DRAFTERS = ("medusa", "eagle", "draft-tree")
+# Weights and activations: float dtypes, and quantized weights (bf16 activations) run on
+# GGUF blocks: "gguf" the file's own types, "q8_0" and "q4_0" a float model quantized.
+DTYPES = ("bf16", "fp32", "gguf", "q8_0", "q4_0")
+DTYPE_HELP = ("bf16 (default), fp32, or quantized weights: gguf (the GGUF file's own blocks), "
+              "q8_0 or q4_0 (a float model quantized at load)")
 
 
 def check_request(drafter: str | None, draft: str | None, k: int | str | None, profile: str | None,

@@ -36,6 +36,7 @@ import torch
 
 from specdecode.policy.adaptive import expected_tokens
 from specdecode.api import load_model
+from specdecode.models.load import quant_format
 from specdecode.heads.loading import eagle_drafter, medusa_drafter
 from specdecode.options import BENCH_METHODS as METHODS, DEFAULT_DRAFT, DEFAULT_TARGET
 from specdecode.plan import make_draft_model, policy_for, tuned_drafter
@@ -169,11 +170,14 @@ def expand_turns(target, questions, stop) -> list[tuple[str, list[int]]]:
 def run_bench(questions, target_name=DEFAULT_TARGET, draft_name: str | None = DEFAULT_DRAFT,
               methods=("draft-model", "prompt-lookup", "adaptive"), ks=(2, 3, 4), lookup_k=4,
               max_new_tokens=64, repeats=3, temperature=0.0, seed=0, peers=True, profile=None,
-              log=print, tree_widths=((2, 2, 1), (3, 1, 1))) -> dict:
+              log=print, tree_widths=((2, 2, 1), (3, 1, 1)), dtype: str | None = None) -> dict:
     from tqdm import tqdm
 
-    target = load_model(target_name)
-    draft = load_model(draft_name) if draft_name else None
+    target = load_model(target_name, dtype)
+    draft = load_model(draft_name, dtype) if draft_name else None
+    if peers and quant_format(dtype):  # transformers would run other, float weights: not a like-for-like peer
+        log(f"transformers peers skipped: they cannot run {dtype} weights")
+        peers = False
     sampling = SamplingConfig(temperature)
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     log("loading the methods (and transformers' copies of the weights for the peers)")
@@ -195,7 +199,8 @@ def run_bench(questions, target_name=DEFAULT_TARGET, draft_name: str | None = DE
 
     rows = [row for category in dict.fromkeys(c for c, _ in prompts)
             for row in summarize(category, method_list, greedy=temperature == 0)]
-    return {"target": target_name, "draft": draft_name, "dtype": str(target.model.dtype).removeprefix("torch."),
+    return {"target": target_name, "draft": draft_name,
+            "dtype": quant_format(dtype) or str(target.model.dtype).removeprefix("torch."),
             "temperature": temperature, "seed": seed, "max_new_tokens": max_new_tokens, "repeats": repeats,
             "prompts": len(prompts), "machine": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "versions": versions(),

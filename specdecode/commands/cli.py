@@ -15,7 +15,8 @@ import sys
 
 from specdecode.commands import models as cli_models
 from specdecode.errors import SpecDecodeError
-from specdecode.options import BENCH_METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS, HYBRID, TUNABLE, check_request
+from specdecode.options import (BENCH_METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS, DTYPE_HELP, HYBRID, TUNABLE,
+                                check_request)
 from specdecode.suites import SUITES, load_prompt_file, load_suite
 
 ACCEPTED_STYLE = ("\033[32m", "\033[0m")  # drafted-and-accepted tokens in green
@@ -44,7 +45,7 @@ def add_generate(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="no chat template: the prompt is raw text")
-    p.add_argument("--dtype", default=None, help="bf16 (default) or fp32")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     p.add_argument("--show-accepted", action="store_true", help="mark drafted-and-accepted tokens in green")
     add_sampling_args(p)
@@ -105,7 +106,7 @@ def add_speed(sub) -> None:
     p = sub.add_parser("speed", help="plain decoding: native vs transformers, and the memory-bandwidth limit")
     p.add_argument("--target", default=DEFAULT_TARGET,
                    help=f"registry name, transformers folder or .gguf (default: {DEFAULT_TARGET})")
-    p.add_argument("--dtype", default=None, help="bf16 (default) or fp32; both backends use it")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per timed run (default: 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per backend; the median is kept (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -165,6 +166,7 @@ def add_bench(sub) -> None:
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="also run transformers' generate: plain, assisted, prompt lookup")
     p.add_argument("--profile", help="a `specdecode tune` profile for the tuned method")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP + " (target and draft alike)")
     p.add_argument("--out", default="out/bench", help="folder for results.json, report.md and plots")
     p.set_defaults(func=run_bench_cmd)
 
@@ -190,7 +192,7 @@ def run_bench_cmd(args) -> int:
                                and (args.draft or m not in ("draft-model", "adaptive"))]
     result = run_bench(questions, args.target, args.draft or None, tuple(methods), ks, args.lookup_k,
                        args.max_new_tokens, args.repeats, args.temperature, args.seed, args.peers, profile, log=log,
-                       tree_widths=tree_widths)
+                       tree_widths=tree_widths, dtype=args.dtype)
     for path in write_report(result, Path(args.out)):
         log(f"wrote {path}")
     print(table(result))
@@ -323,7 +325,7 @@ def add_demo(sub) -> None:
     p = sub.add_parser("demo", help="the default pair on a few prompts: speculative vs plain")
     p.add_argument("--max-new-tokens", type=int, default=96, help="most tokens per answer (default: 96)")
     p.add_argument("--k", type=int, default=None, help="fixed draft length (default: adaptive)")
-    p.add_argument("--dtype", default=None, help="bf16 (default) or fp32")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--profile", help="a `specdecode tune` profile: k chosen adaptively from its measurements")
     p.set_defaults(func=run_demo_cmd)
 
@@ -345,7 +347,7 @@ def add_check(sub) -> None:
     p.add_argument("--k", type=_k_value, default=None, help="draft tokens per round, or 'auto' (default)")
     p.add_argument("--heads", "--head", dest="heads", help="Medusa heads / EAGLE head folder")
     p.add_argument("--profile", help="a profile from `specdecode tune`: it picks the drafter (unless given) and k")
-    p.add_argument("--dtype", default=None, help="bf16 (default) or fp32")
+    p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--temperature", type=float, default=0.8,
                    help="of the sampled check; 0 = the greedy check only (default: 0.8)")
     p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")

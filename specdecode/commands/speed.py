@@ -26,10 +26,12 @@ from specdecode.core.engine import decode
 from specdecode.errors import SpecDecodeError
 from specdecode.core.events import Done
 from specdecode.models.huge_pages import on_huge_pages
-from specdecode.models.load import load, parse_dtype
+from specdecode.models.load import load, parse_dtype, quant_format
+from specdecode.policy.costs import measure_verify_curve
 from specdecode.core.prompts import encode_prompt
 from specdecode.core.stopping import StopCondition
 
+CURVE_SIZES = (1, 2, 4, 8, 16)  # tokens per pass in the reported verify curve
 SPEED_PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
 
 
@@ -126,46 +128,55 @@ def _time_transformers(hf_model, prompt_ids: list[int], new_tokens: int) -> Timi
 
 def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repeats: int = 3,
               log=print, bandwidth_megabytes: int = 2048) -> dict:
-    from transformers import AutoModelForCausalLM
-
     if new_tokens < 2 or repeats < 1:
         raise SpecDecodeError(f"speed needs --new-tokens >= 2 and --repeats >= 1, got {new_tokens} and {repeats}")
-    torch_dtype = parse_dtype(dtype)
-    model, tokenizer, info = load(target, torch_dtype, backend="native")
-    log(f"loading transformers' model from {info.folder}")
-    hf_model = AutoModelForCausalLM.from_pretrained(str(info.folder), dtype=torch_dtype).eval()
+    torch_dtype, quant = parse_dtype(dtype), quant_format(dtype)
+    model, tokenizer, info = load(target, dtype, backend="native")
+    hf_model = None
+    if quant is None:  # transformers runs float weights only: no like-for-like peer for quantized ones
+        from transformers import AutoModelForCausalLM
+
+        log(f"loading transformers' model from {info.folder}")
+        hf_model = AutoModelForCausalLM.from_pretrained(str(info.folder), dtype=torch_dtype).eval()
     prompt_ids = encode_prompt(tokenizer, SPEED_PROMPT)
 
     log("warming up")
     _time_native(model, prompt_ids, 4)
-    _time_transformers(hf_model, prompt_ids, 4)
+    if hf_model is not None:
+        _time_transformers(hf_model, prompt_ids, 4)
     native, hf = [], []
     for r in range(repeats):
         native.append(_time_native(model, prompt_ids, new_tokens))
-        hf.append(_time_transformers(hf_model, prompt_ids, new_tokens))
-        log(f"repeat {r + 1}/{repeats}: native {native[-1].tokens_per_s:.2f} tok/s, "
-            f"transformers {hf[-1].tokens_per_s:.2f} tok/s")
+        if hf_model is not None:
+            hf.append(_time_transformers(hf_model, prompt_ids, new_tokens))
+        log(f"repeat {r + 1}/{repeats}: native {native[-1].tokens_per_s:.2f} tok/s"
+            + (f", transformers {hf[-1].tokens_per_s:.2f} tok/s" if hf else ""))
+    log("timing passes over 1, 2, 4, 8 and 16 tokens")
+    curve = measure_verify_curve(model, CURVE_SIZES)
     bandwidth = measure_bandwidth(bandwidth_megabytes)
 
-    def median(timings: list[Timing], rate: str) -> float:
-        return statistics.median(getattr(t, rate) for t in timings)
+    def median(timings: list[Timing], rate: str) -> float | None:
+        return round(statistics.median(getattr(t, rate) for t in timings), 3) if timings else None
 
     native_tps, hf_tps = median(native, "tokens_per_s"), median(hf, "tokens_per_s")
     limit_tps = bandwidth / model.weight_bytes_per_token
     return {
         "target": target,
-        "dtype": str(torch_dtype).removeprefix("torch."),
+        "dtype": quant or str(torch_dtype).removeprefix("torch."),
         "new_tokens": new_tokens,
         "prompt_tokens": len(prompt_ids),
         "repeats": repeats,
-        "native_tokens_per_s": round(native_tps, 3),
-        "transformers_tokens_per_s": round(hf_tps, 3),
-        "ratio": round(native_tps / hf_tps, 3),
+        "native_tokens_per_s": native_tps,
+        "transformers_tokens_per_s": hf_tps,
+        "ratio": round(native_tps / hf_tps, 3) if hf_tps else None,
         "native_prefill_s": round(statistics.median(t.prefill_s for t in native), 4),
-        "transformers_prefill_s": round(statistics.median(t.prefill_s for t in hf), 4),
-        "native_end_to_end_tokens_per_s": round(median(native, "end_to_end_tokens_per_s"), 3),
-        "transformers_end_to_end_tokens_per_s": round(median(hf, "end_to_end_tokens_per_s"), 3),
+        "transformers_prefill_s": round(statistics.median(t.prefill_s for t in hf), 4) if hf else None,
+        "native_end_to_end_tokens_per_s": median(native, "end_to_end_tokens_per_s"),
+        "transformers_end_to_end_tokens_per_s": median(hf, "end_to_end_tokens_per_s"),
+        "verify_curve": {str(n): round(curve[n] / curve[1], 3) for n in CURVE_SIZES},
+        "one_token_pass_ms": round(1e3 * curve[1], 2),
         "weight_bytes_per_token": model.weight_bytes_per_token,
+        "resident_weight_bytes": model.memory_bytes,
         "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
         "limit_tokens_per_s": round(limit_tps, 3),
         "fraction_of_limit": round(native_tps / limit_tps, 3),
@@ -176,16 +187,27 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
 
 
 def format_speed(r: dict) -> str:
-    return "\n".join([
+    lines = [
         f"target {r['target']}, {r['dtype']}, {r['new_tokens']} new tokens, median of {r['repeats']}, "
         f"{r['threads']} threads",
         f"  decoding, after the first token (the prompt's prefill timed apart):",
         f"  native        {r['native_tokens_per_s']:8.2f} tok/s   prefill {r['native_prefill_s']:.2f} s, "
         f"end to end {r['native_end_to_end_tokens_per_s']:.2f} tok/s",
-        f"  transformers  {r['transformers_tokens_per_s']:8.2f} tok/s   prefill {r['transformers_prefill_s']:.2f} s, "
-        f"end to end {r['transformers_end_to_end_tokens_per_s']:.2f} tok/s",
-        f"  ratio         {r['ratio']:8.2f}x",
+    ]
+    if r["transformers_tokens_per_s"] is not None:
+        lines += [
+            f"  transformers  {r['transformers_tokens_per_s']:8.2f} tok/s   prefill {r['transformers_prefill_s']:.2f} s, "
+            f"end to end {r['transformers_end_to_end_tokens_per_s']:.2f} tok/s",
+            f"  ratio         {r['ratio']:8.2f}x",
+        ]
+    else:
+        lines.append(f"  transformers  (not run: it has no {r['dtype']} weights)")
+    curve = "  ".join(f"v({n}) {v:.2f}" for n, v in r["verify_curve"].items() if n != "1")
+    lines += [
         f"  limit         {r['limit_tokens_per_s']:8.2f} tok/s  ({r['weight_bytes_per_token'] / 1e9:.2f} GB per step "
         f"at {r['bandwidth_gb_per_s']:.1f} GB/s measured)",
         f"  native reaches {100 * r['fraction_of_limit']:.0f}% of the limit",
-    ])
+        f"  a pass over n tokens against one ({r['one_token_pass_ms']:.1f} ms, after 256 cached): {curve}",
+        f"  weights held  {r['resident_weight_bytes'] / 1e9:.2f} GB",
+    ]
+    return "\n".join(lines)

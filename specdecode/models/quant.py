@@ -22,6 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models import kernels
+from specdecode.models.huge_pages import on_huge_pages
 
 # The block types the kernel runs (it tells them apart by bytes per block).
 KERNEL_TYPES = tuple(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"))
@@ -88,6 +89,52 @@ def stack(parts: list[QuantTensor]) -> list[QuantTensor]:
     return merged
 
 
+X8_ROWS = 8  # rows a repacked Q4_K block interleaves
+X8_BYTES = 1216  # their bytes: d and dmin (fp32), scales and mins (a byte each), 1024 of nibbles
+
+
+def repack_q4_k_x8(data: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks (rows, blocks, 144) -> eight rows interleaved per block (rows / 8, blocks,
+    1216), as quant_linear.cpp's q4k_x8_rows reads them: the rows' d, dmin (fp32), 6-bit
+    scales [group][row] and mins [pair of groups][row][2] decoded to bytes, then for each
+    group g and j < 4 the 32 bytes whose byte 4r + i holds row r's values 32g + 8j + i (low
+    nibble) and 32g + 8j + 4 + i (high). The values and scales are the file's, unchanged."""
+    raw = data.numpy()
+    rows, blocks, _ = raw.shape
+    groups = rows // X8_ROWS
+
+    def per_row_first(a: np.ndarray) -> np.ndarray:  # (rows, blocks, ...) -> (groups, blocks, ..., 8 rows)
+        a = a.reshape(groups, X8_ROWS, blocks, *a.shape[2:])
+        return np.moveaxis(a, 1, -1)
+
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    s = raw[..., 4:16]
+    scales, mins = np.empty((rows, blocks, 8), np.uint8), np.empty((rows, blocks, 8), np.uint8)
+    scales[..., :4], mins[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    scales[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    nibbles = raw[..., 16:144].reshape(rows, blocks, 4, 32)
+    values = np.empty((rows, blocks, 8, 32), np.uint8)  # [group][value in group]
+    values[:, :, 0::2], values[:, :, 1::2] = nibbles & 0xF, nibbles >> 4
+    v = values.reshape(groups, X8_ROWS, blocks, 8, 4, 2, 4)  # value 8j + 4h + i of group g
+    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 2, 3, 4, 1, 5)  # (groups, blocks, g, j, r, i)
+    mins_paired = mins.reshape(rows, blocks, 4, 2)  # [pair][2] per row
+    parts = [np.ascontiguousarray(per_row_first(d)).view(np.uint8), np.ascontiguousarray(per_row_first(dmin)).view(np.uint8),
+             per_row_first(scales).reshape(groups, blocks, 64),
+             np.moveaxis(mins_paired.reshape(groups, X8_ROWS, blocks, 4, 2), 1, 3).reshape(groups, blocks, 64),
+             packed.reshape(groups, blocks, 1024)]
+    return torch.from_numpy(np.concatenate(parts, axis=-1))
+
+
+def kernel_layout(part: QuantTensor) -> torch.Tensor:
+    """The bytes the kernel reads for a part: Q4_K repacked eight rows at a time where the
+    rows allow (its products are then about twice as fast), other types as stored."""
+    if part.qtype == GGMLQuantizationType.Q4_K and part.shape[0] % X8_ROWS == 0:
+        return repack_q4_k_x8(part.data)
+    return part.data
+
+
 class QuantLinear:
     """y = x @ W.T + bias for W stacked from quantized parts; x (..., in_features) bf16 or fp32."""
 
@@ -103,16 +150,14 @@ class QuantLinear:
         widths = {p.shape[1] for p in parts}
         if len(widths) != 1:
             raise SpecDecodeError(f"stacked parts differ in width: {sorted(widths)}")
-        self.parts = stack(parts)
+        parts = stack(parts)
+        self.types = [p.qtype.name for p in parts]
         self.in_features = widths.pop()
-        self.out_features = sum(p.shape[0] for p in self.parts)
+        self.out_features = sum(p.shape[0] for p in parts)
         self.bias = bias
-        self.weight_bytes = sum(p.nbytes for p in self.parts)
-        self._data = [p.data for p in self.parts]
-
-    @property
-    def types(self) -> list[str]:
-        return [p.qtype.name for p in self.parts]
+        # on 2 MB pages: a step streams every matrix front to back (huge_pages.py)
+        self._data = [on_huge_pages(kernel_layout(p)) for p in parts]
+        self.weight_bytes = sum(d.numel() for d in self._data)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -3,7 +3,7 @@
 // W is one or more parts stacked along the outputs (a fused q|k|v may mix Q4_K and Q6_K
 // rows), each a uint8 tensor (rows, blocks per row, bytes per block) in GGUF's own row
 // layout; the bytes per block name the type (quant.py): 144 Q4_K, 210 Q6_K, 34 Q8_0,
-// 18 Q4_0, 20 Q4_1.
+// 18 Q4_0, 20 Q4_1, and 1216 for Q4_K repacked eight rows at a time (below).
 //
 // Each row of x is quantized on its own, as llama.cpp does: to 8 bits per 256 values with
 // one fp32 scale and the sums of each 16 (Q8_K) for the K-quants, per 32 for the others. A weight
@@ -24,7 +24,9 @@ namespace {
 
 constexpr int64_t QK_K = 256;  // values per K-quant block
 constexpr int64_t QK8_0 = 32;  // values per Q8_0 block
+constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied brought into L1
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20;
+constexpr int64_t Q4_K_X8_BYTES = 1216;  // eight rows' Q4_K blocks, repacked (q4k_x8_rows)
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -215,18 +217,109 @@ struct Q80 {
   }
 };
 
-// out[m * ldo + n] = row n of `w` (rows [n0, n1)) times activation row m, blocks summed in order.
-template <typename Block>
+// Q4_K repacked eight rows at a time (quant.py, repack_q4_k_x8), for every row count: per
+// block of 256 inputs, the eight rows' d and dmin (fp32), their 6-bit scales by group of
+// 32 (a byte each, [group][row]), their mins by pair of groups ([pair][row][2]), then for
+// each group g and each j < 4, 32 bytes: byte 4r + i holds row r's value 32g + 8j + i in
+// its low nibble and value 32g + 8j + 4 + i in its high one. One 256-bit vector so holds
+// four values of each of the eight rows: a product with four inputs broadcast gives each
+// row's sum in its own lane, and no lane sums are needed. The eight products of a group
+// are added as int16 (at most 8 x 2 x 15 x 127 = 30480) before its scale applies.
+template <int ROWS>
+void q4k_x8_rows(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
+                 int64_t ldo) {
+  const int64_t M = ROWS > 0 ? ROWS : static_cast<int64_t>(x.size());
+  std::vector<__m256> acc_any(ROWS > 0 ? 0 : M);
+  std::vector<__m256i> sum_any(ROWS > 0 ? 0 : M);
+  __m256 acc_fixed[ROWS > 0 ? ROWS : 1];
+  __m256i sum_fixed[ROWS > 0 ? ROWS : 1];
+  __m256* acc = ROWS > 0 ? acc_fixed : acc_any.data();
+  __m256i* sum = ROWS > 0 ? sum_fixed : sum_any.data();
+  const __m256i low = _mm256_set1_epi8(0xF);
+  for (int64_t group = g0; group < g1; ++group) {
+    for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    const uint8_t* base = w + group * blocks * Q4_K_X8_BYTES;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = base + b * Q4_K_X8_BYTES;
+      for (int line = 0; line < Q4_K_X8_BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_K_X8_BYTES + line), _MM_HINT_T0);
+      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
+      const __m256 dmin = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 32));
+      for (int64_t m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * g)));
+        const __m256i scale = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // (s, s) per row
+        __m256i v[8];
+        for (int j = 0; j < 4; ++j) {
+          const __m256i raw = load32(blk + 192 + 32 * (4 * g + j));
+          v[2 * j] = _mm256_and_si256(raw, low);
+          v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const int8_t* q = x[m].q.data() + b * QK_K + 32 * g;
+          int32_t four;
+          std::memcpy(&four, q, 4);
+          __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(four));
+          for (int t = 1; t < 8; ++t) {
+            std::memcpy(&four, q + 4 * t, 4);
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[t], _mm256_set1_epi32(four)));
+          }
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(s16, scale));
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const int16_t* s16 = x[m].sums16.data() + b * 16;
+        __m256i offset = _mm256_setzero_si256();
+        for (int pair = 0; pair < 4; ++pair) {  // mins of groups 2p, 2p + 1 times their inputs' sums
+          const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * pair)));
+          const int32_t first = s16[4 * pair] + s16[4 * pair + 1], second = s16[4 * pair + 2] + s16[4 * pair + 3];
+          const __m256i sums = _mm256_set1_epi32((second << 16) | (first & 0xFFFF));
+          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(mins, sums));
+        }
+        const __m256 dx = _mm256_set1_ps(x[m].d[b]);
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sum[m]), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(offset), acc[m]);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ldo + 8 * group, acc[m]);
+  }
+}
+
+void q4k_x8_rows_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
+                     int64_t ldo) {
+  switch (x.size()) {
+    case 1: return q4k_x8_rows<1>(w, blocks, x, g0, g1, out, ldo);
+    case 2: return q4k_x8_rows<2>(w, blocks, x, g0, g1, out, ldo);
+    default: return q4k_x8_rows<0>(w, blocks, x, g0, g1, out, ldo);
+  }
+}
+
+// out[m * ldo + n] = row n of `w` (rows [n0, n1)) times activation row m, blocks summed in
+// order. ROWS > 0 fixes the row count at compile time, so the unpacked block stays in
+// registers (a one-row pass is a decoding step: it must run at memory speed); 0 takes any.
+template <typename Block, int ROWS>
 void rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t n0, int64_t n1, float* out,
                 int64_t ldo) {
-  const int64_t M = static_cast<int64_t>(x.size());
+  const int64_t M = ROWS > 0 ? ROWS : static_cast<int64_t>(x.size());
   std::vector<__m256> acc(M);
-  Block block;
   for (int64_t n = n0; n < n1; ++n) {
-    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
     const uint8_t* row = w + n * blocks * Block::BYTES;
+    if (ROWS > 0) {
+      __m256 fixed[ROWS > 0 ? ROWS : 1];
+      for (int m = 0; m < ROWS; ++m) fixed[m] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        _mm_prefetch(reinterpret_cast<const char*>(row + (b + PREFETCH_BLOCKS) * Block::BYTES), _MM_HINT_T0);
+        Block block;
+        block.unpack(row + b * Block::BYTES);
+        for (int m = 0; m < ROWS; ++m) block.dot(x[m], b, fixed[m]);
+      }
+      for (int m = 0; m < ROWS; ++m) out[m * ldo + n] = hsum(fixed[m]);
+      continue;
+    }
+    std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
+    Block block;
     for (int64_t b = 0; b < blocks; ++b) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + (b + 4) * Block::BYTES), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + (b + PREFETCH_BLOCKS) * Block::BYTES), _MM_HINT_T0);
       block.unpack(row + b * Block::BYTES);
       for (int64_t m = 0; m < M; ++m) block.dot(x[m], b, acc[m]);
     }
@@ -234,9 +327,21 @@ void rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, i
   }
 }
 
+// rows_times for this many rows: one and two specialized (a decoding step, a short draft).
+template <typename Block>
+void rows_times_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t n0, int64_t n1, float* out,
+                    int64_t ldo) {
+  switch (x.size()) {
+    case 1: return rows_times<Block, 1>(w, blocks, x, n0, n1, out, ldo);
+    case 2: return rows_times<Block, 2>(w, blocks, x, n0, n1, out, ldo);
+    default: return rows_times<Block, 0>(w, blocks, x, n0, n1, out, ldo);
+  }
+}
+
 int64_t block_values(int64_t bytes) {
   switch (bytes) {
     case Q4_K_BYTES:
+    case Q4_K_X8_BYTES:
     case Q6_K_BYTES: return QK_K;
     case Q8_0_BYTES:
     case Q4_0_BYTES:
@@ -263,7 +368,7 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     const int64_t values = block_values(p.size(2));
     TORCH_CHECK(p.size(1) * values == K, "quant_linear: a part's blocks cover ", p.size(1) * values, " inputs, not ", K);
     (values == QK_K ? k_quants : q8_0) = true;
-    rows += p.size(0);
+    rows += p.size(0) * (p.size(2) == Q4_K_X8_BYTES ? 8 : 1);
   }
   TORCH_CHECK(rows == N, "quant_linear: the parts hold ", rows, " rows, not ", N);
   std::vector<Q8Row> x8k, x80;
@@ -278,13 +383,18 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     const uint8_t* w = p.data_ptr<uint8_t>();
     const int64_t blocks = p.size(1), bytes = p.size(2), n_rows = p.size(0);
     float* out = yp + first;
+    if (bytes == Q4_K_X8_BYTES) {  // n_rows groups of eight
+      at::parallel_for(0, n_rows, 2, [&](int64_t g0, int64_t g1) { q4k_x8_rows_any(w, blocks, x8k, g0, g1, out, N); });
+      first += 8 * n_rows;
+      continue;
+    }
     // grain 16 rows: at most 16 x 210 x 35 bytes (118 KB) of weights per task on the widest
     at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
-      if (bytes == Q4_K_BYTES) rows_times<Q4K>(w, blocks, x8k, n0, n1, out, N);
-      else if (bytes == Q6_K_BYTES) rows_times<Q6K>(w, blocks, x8k, n0, n1, out, N);
-      else if (bytes == Q8_0_BYTES) rows_times<Q80>(w, blocks, x80, n0, n1, out, N);
-      else if (bytes == Q4_0_BYTES) rows_times<Q4Legacy<false>>(w, blocks, x80, n0, n1, out, N);
-      else rows_times<Q4Legacy<true>>(w, blocks, x80, n0, n1, out, N);
+      if (bytes == Q4_K_BYTES) rows_times_any<Q4K>(w, blocks, x8k, n0, n1, out, N);
+      else if (bytes == Q6_K_BYTES) rows_times_any<Q6K>(w, blocks, x8k, n0, n1, out, N);
+      else if (bytes == Q8_0_BYTES) rows_times_any<Q80>(w, blocks, x80, n0, n1, out, N);
+      else if (bytes == Q4_0_BYTES) rows_times_any<Q4Legacy<false>>(w, blocks, x80, n0, n1, out, N);
+      else rows_times_any<Q4Legacy<true>>(w, blocks, x80, n0, n1, out, N);
     });
     first += n_rows;
   }

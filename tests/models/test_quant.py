@@ -14,7 +14,7 @@ from specdecode.core.stopping import StopCondition
 from specdecode.drafters import DraftModel, PromptLookup
 from specdecode.errors import SpecDecodeError
 from specdecode.models.native import NativeModel
-from specdecode.models.quant import KERNEL_TYPES, QuantLinear, QuantTensor
+from specdecode.models.quant import KERNEL_TYPES, X8_BYTES, QuantLinear, QuantTensor, kernel_layout
 
 FP16_FIELDS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2)}  # byte offsets of scales
 
@@ -46,25 +46,30 @@ def reference(x: torch.Tensor, w: QuantTensor) -> np.ndarray:
     return rows @ w.dequantize().double().numpy().T
 
 
+# 40 rows: Q4_K runs repacked eight rows at a time; 42: as stored (kernel_layout)
+@pytest.mark.parametrize("rows", [40, 42])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-def test_kernel_product_matches_the_dequantized_blocks(qtype, kernel_module):
-    w = random_blocks(qtype, 40, 512)
+def test_kernel_product_matches_the_dequantized_blocks(qtype, rows, kernel_module):
+    w = random_blocks(qtype, rows, 512)
+    data = kernel_layout(w)
+    assert data.shape[-1] == (X8_BYTES if qtype == T.Q4_K and rows % 8 == 0 else GGML_QUANT_SIZES[qtype][1])
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    y = kernel_module.quant_linear(x, [w.data], None, 40).float().numpy()
+    y = kernel_module.quant_linear(x, [data], None, rows).float().numpy()
     want = reference(x, w)
     # the integer sums are exact; what remains is fp32 accumulation and the bf16 output
     assert np.abs(y - want).max() <= 1e-2 * np.abs(want).max()
-    y32 = kernel_module.quant_linear(x.float(), [w.data], None, 40).double().numpy()
+    y32 = kernel_module.quant_linear(x.float(), [data], None, rows).double().numpy()
     assert np.abs(y32 - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("rows", [72, 70])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-def test_each_row_is_bitwise_its_one_row_product(qtype, kernel_module):
-    w = random_blocks(qtype, 70, 512, seed=2)
+def test_each_row_is_bitwise_its_one_row_product(qtype, rows, kernel_module):
+    data = kernel_layout(random_blocks(qtype, rows, 512, seed=2))
     x = torch.randn(17, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [w.data], None, 70) for i in range(17)])
-    for rows in (2, 3, 8, 17):
-        assert torch.equal(kernel_module.quant_linear(x[:rows], [w.data], None, 70), alone[:rows])
+    alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [data], None, rows) for i in range(17)])
+    for count in (2, 3, 8, 17):
+        assert torch.equal(kernel_module.quant_linear(x[:count], [data], None, rows), alone[:count])
 
 
 def test_stacked_parts_of_mixed_types_equal_their_products_side_by_side(kernel_module):
@@ -73,7 +78,8 @@ def test_stacked_parts_of_mixed_types_equal_their_products_side_by_side(kernel_m
     layer = QuantLinear(parts, bias)
     assert layer.types == ["Q4_K", "Q6_K", "Q4_K"] and layer.out_features == 80
     x = torch.randn(3, 512).to(torch.bfloat16)
-    apart = torch.cat([kernel_module.quant_linear(x.float(), [p.data], None, p.shape[0]) for p in parts], dim=1)
+    apart = torch.cat([kernel_module.quant_linear(x.float(), [kernel_layout(p)], None, p.shape[0]) for p in parts],
+                      dim=1)
     assert torch.equal(layer(x), (apart + bias.float()).to(torch.bfloat16))
 
 
