@@ -11,24 +11,28 @@
 
 namespace {
 
-// y = x @ W.T (+ b) for x (B, T, K) through a packed weight: (B, T, N)
-torch::Tensor project(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
-                      int64_t N) {
+// y = x @ W.T (+ b) for x (B, T, K): (B, T, N). W is one bf16 weight packed for this
+// build's kernel, or quantized parts (uint8 blocks, quant_linear.cpp) stacked by output.
+torch::Tensor project(const torch::Tensor& x, const std::vector<torch::Tensor>& parts,
+                      const c10::optional<torch::Tensor>& bias, int64_t N) {
   const int64_t B = x.size(0), T = x.size(1);
-  return linear(x.reshape({B * T, x.size(2)}), packed, bias, N).view({B, T, N});
+  const auto rows = x.reshape({B * T, x.size(2)});
+  const bool quantized = parts[0].scalar_type() == torch::kUInt8;
+  return (quantized ? quant_linear(rows, parts, bias, N) : linear(rows, parts[0], bias, N)).view({B, T, N});
 }
 
 }  // namespace
 
 // x: the residual stream (B, T, H); h: its norm for this layer. cos, sin: (B or 1, T, hd);
 // keys, values: this layer's cache buffers (B, nkv, max_len, hd), written at slots start, ...;
-// allowed: (B or 1, T, start + T) bool, or empty for causal by slot. weights: the packed
-// qkv, o, gate_up and down matrices; biases: theirs (or None); out: their output widths.
+// allowed: (B or 1, T, start + T) bool, or empty for causal by slot. weights: the qkv, o,
+// gate_up and down matrices, each as `project` takes it; biases: theirs (or None); out:
+// their output widths.
 // Returns (x + attention + mlp, the norm `next_norm` of it): the next layer's x and h.
 std::vector<torch::Tensor> decoder_layer(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                                          torch::Tensor keys, torch::Tensor values, int64_t start,
                                          torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
-                                         std::vector<torch::Tensor> weights,
+                                         std::vector<std::vector<torch::Tensor>> weights,
                                          std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
                                          torch::Tensor mlp_norm, torch::Tensor next_norm, double eps) {
   TORCH_CHECK(weights.size() == 4 && biases.size() == 4 && out.size() == 4, "four matrices: qkv, o, gate_up, down");
@@ -50,7 +54,7 @@ std::vector<torch::Tensor> decoder_layer(torch::Tensor x, torch::Tensor h, torch
 std::vector<torch::Tensor> decoder_stack(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                                          torch::Tensor keys, torch::Tensor values, int64_t start,
                                          torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
-                                         std::vector<torch::Tensor> weights,
+                                         std::vector<std::vector<torch::Tensor>> weights,
                                          std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
                                          std::vector<torch::Tensor> mlp_norms, std::vector<torch::Tensor> next_norms,
                                          double eps, std::vector<int64_t> keep) {
@@ -61,7 +65,7 @@ std::vector<torch::Tensor> decoder_stack(torch::Tensor x, torch::Tensor h, torch
   std::vector<torch::Tensor> kept;
   size_t next_keep = 0;
   for (int64_t i = 0; i < L; ++i) {
-    std::vector<torch::Tensor> w(weights.begin() + 4 * i, weights.begin() + 4 * i + 4);
+    std::vector<std::vector<torch::Tensor>> w(weights.begin() + 4 * i, weights.begin() + 4 * i + 4);
     std::vector<c10::optional<torch::Tensor>> b(biases.begin() + 4 * i, biases.begin() + 4 * i + 4);
     auto xh = decoder_layer(x, h, cos, sin, keys[i], values[i], start, allowed, num_heads, num_kv_heads, w, b, out,
                             mlp_norms[i], next_norms[i], eps);

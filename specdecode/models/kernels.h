@@ -22,7 +22,7 @@ torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tens
 std::vector<torch::Tensor> decoder_stack(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                                          torch::Tensor keys, torch::Tensor values, int64_t start,
                                          torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads,
-                                         std::vector<torch::Tensor> weights,
+                                         std::vector<std::vector<torch::Tensor>> weights,
                                          std::vector<c10::optional<torch::Tensor>> biases, std::vector<int64_t> out,
                                          std::vector<torch::Tensor> mlp_norms, std::vector<torch::Tensor> next_norms,
                                          double eps, std::vector<int64_t> keep);

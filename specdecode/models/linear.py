@@ -83,6 +83,11 @@ class Linear:
         return y.view(*lead, self.out_features)
 
     @property
+    def kernel_parts(self) -> list[torch.Tensor]:
+        """The weight as decoder_layer.cpp takes it (packed for this machine's kernel)."""
+        return [self.weight]
+
+    @property
     def nbytes(self) -> int:
         bias_bytes = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
         return self.weight_bytes + bias_bytes

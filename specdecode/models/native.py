@@ -73,9 +73,9 @@ class Layer:
 
     @property
     def packed(self) -> tuple[list, list, list]:
-        """(packed weights, biases, output widths) of the four matrices, as decoder_layer.cpp takes them."""
+        """(weights, biases, output widths) of the four matrices, as decoder_layer.cpp takes them."""
         m = self.matrices
-        return [l.weight for l in m], [l.bias for l in m], [l.out_features for l in m]
+        return [l.kernel_parts for l in m], [l.bias for l in m], [l.out_features for l in m]
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -166,9 +166,11 @@ class NativeModel:
         self.lm_head_weight = self.embed if head is embed and not isinstance(embed, QuantTensor) else None
         self.ops = layer_ops(dtype)
         # Every layer in one call (decoder_layer.cpp) where every matrix is on this machine's
-        # kernel and needs no padding, as kernels.linear would add. Off: the same kernels one by one.
+        # kernel (bf16 needing no padding, as kernels.linear would add, or quantized). Off: the
+        # same kernels one by one.
         self.layer_in_one_call = self.ops is FusedOps and all(
-            l.backend in kernels.KINDS and not kernels.needs_padding(l.in_features) for layer in self.layers for l in layer.matrices)
+            l.backend == "quant" or (l.backend in kernels.KINDS and not kernels.needs_padding(l.in_features))
+            for layer in self.layers for l in layer.matrices)
         self._stack = self._stack_arguments() if self.layer_in_one_call else None  # made once
         self._inv_freq = rope_inv_freq(c)
         self._cos = self._sin = torch.empty(0, c.head_dim)

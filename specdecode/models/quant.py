@@ -89,24 +89,33 @@ def stack(parts: list[QuantTensor]) -> list[QuantTensor]:
     return merged
 
 
-X8_ROWS = 8  # rows a repacked Q4_K block interleaves
-X8_BYTES = 1216  # their bytes: d and dmin (fp32), scales and mins (a byte each), 1024 of nibbles
+X8_ROWS = 8  # rows a repacked block interleaves
+X8_BYTES = {GGMLQuantizationType.Q4_K: 1216,  # d and dmin (fp32), scales and mins (a byte each), 1024 of nibbles
+            GGMLQuantizationType.Q6_K: 1696}  # d (fp32), scales (a byte each), 1024 of nibbles, 512 of top bits
+
+
+def _rows_last(a: np.ndarray, groups: int) -> np.ndarray:
+    """(rows, blocks, ...) -> (groups, blocks, ..., 8 rows)."""
+    return np.moveaxis(a.reshape(groups, X8_ROWS, *a.shape[1:]), 1, -1)
+
+
+def _interleave_nibbles(values: np.ndarray) -> np.ndarray:
+    """Values (rows, blocks, 8 groups, 32) below 16 -> (rows / 8, blocks, 1024): per group g
+    and j < 4, byte 4r + i holds row r's value 8j + i (low nibble) and 8j + 4 + i (high)."""
+    rows, blocks = values.shape[:2]
+    v = values.reshape(rows // X8_ROWS, X8_ROWS, blocks, 8, 4, 2, 4)  # value 8j + 4h + i of group g
+    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 2, 3, 4, 1, 5)  # (groups, blocks, g, j, r, i)
+    return packed.reshape(rows // X8_ROWS, blocks, 1024)
 
 
 def repack_q4_k_x8(data: torch.Tensor) -> torch.Tensor:
     """Q4_K blocks (rows, blocks, 144) -> eight rows interleaved per block (rows / 8, blocks,
     1216), as quant_linear.cpp's q4k_x8_rows reads them: the rows' d, dmin (fp32), 6-bit
-    scales [group][row] and mins [pair of groups][row][2] decoded to bytes, then for each
-    group g and j < 4 the 32 bytes whose byte 4r + i holds row r's values 32g + 8j + i (low
-    nibble) and 32g + 8j + 4 + i (high). The values and scales are the file's, unchanged."""
+    scales [group][row] and mins [pair of groups][row][2] decoded to bytes, then the values'
+    nibbles (_interleave_nibbles). The values and scales are the file's, unchanged."""
     raw = data.numpy()
     rows, blocks, _ = raw.shape
     groups = rows // X8_ROWS
-
-    def per_row_first(a: np.ndarray) -> np.ndarray:  # (rows, blocks, ...) -> (groups, blocks, ..., 8 rows)
-        a = a.reshape(groups, X8_ROWS, blocks, *a.shape[2:])
-        return np.moveaxis(a, 1, -1)
-
     d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     dmin = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     s = raw[..., 4:16]
@@ -117,21 +126,49 @@ def repack_q4_k_x8(data: torch.Tensor) -> torch.Tensor:
     nibbles = raw[..., 16:144].reshape(rows, blocks, 4, 32)
     values = np.empty((rows, blocks, 8, 32), np.uint8)  # [group][value in group]
     values[:, :, 0::2], values[:, :, 1::2] = nibbles & 0xF, nibbles >> 4
-    v = values.reshape(groups, X8_ROWS, blocks, 8, 4, 2, 4)  # value 8j + 4h + i of group g
-    packed = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 2, 3, 4, 1, 5)  # (groups, blocks, g, j, r, i)
-    mins_paired = mins.reshape(rows, blocks, 4, 2)  # [pair][2] per row
-    parts = [np.ascontiguousarray(per_row_first(d)).view(np.uint8), np.ascontiguousarray(per_row_first(dmin)).view(np.uint8),
-             per_row_first(scales).reshape(groups, blocks, 64),
-             np.moveaxis(mins_paired.reshape(groups, X8_ROWS, blocks, 4, 2), 1, 3).reshape(groups, blocks, 64),
-             packed.reshape(groups, blocks, 1024)]
+    parts = [np.ascontiguousarray(_rows_last(d, groups)).view(np.uint8),
+             np.ascontiguousarray(_rows_last(dmin, groups)).view(np.uint8),
+             _rows_last(scales, groups).reshape(groups, blocks, 64),
+             np.moveaxis(_rows_last(mins.reshape(rows, blocks, 4, 2), groups), -1, -2).reshape(groups, blocks, 64),
+             _interleave_nibbles(values)]
     return torch.from_numpy(np.concatenate(parts, axis=-1))
 
 
+def repack_q6_k_x8(data: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks (rows, blocks, 210) -> eight rows interleaved per block (rows / 8, blocks,
+    1696), as q6k_x8_rows reads them: the rows' d (fp32), int8 scales [pair of groups of
+    16][row][2], the low four bits of the values (_interleave_nibbles), then per group g of
+    32 and half h, 32 bytes whose byte 4r + i holds the top two bits of row r's values
+    32g + 16h + 4k + i at bits 2k, 2k + 1. The values and scales are the file's, unchanged."""
+    raw = data.numpy()
+    rows, blocks, _ = raw.shape
+    groups = rows // X8_ROWS
+    ql, qh = raw[..., 0:128].reshape(rows, blocks, 2, 64), raw[..., 128:192].reshape(rows, blocks, 2, 32)
+    scales = raw[..., 192:208]
+    d = raw[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)
+    values = np.empty((rows, blocks, 2, 4, 32), np.uint8)  # per half of 128: four runs of 32 (Q6_K's layout)
+    values[..., 0, :] = (ql[..., :32] & 0xF) | ((qh & 3) << 4)
+    values[..., 1, :] = (ql[..., 32:] & 0xF) | (((qh >> 2) & 3) << 4)
+    values[..., 2, :] = (ql[..., :32] >> 4) | (((qh >> 4) & 3) << 4)
+    values[..., 3, :] = (ql[..., 32:] >> 4) | (((qh >> 6) & 3) << 4)
+    values = values.reshape(rows, blocks, 8, 32)
+    top = (values >> 4).reshape(groups, X8_ROWS, blocks, 8, 2, 4, 4)  # value 16h + 4k + i of group g
+    top = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    top = top.transpose(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 512)  # (groups, blocks, g, h, r, i)
+    paired = np.moveaxis(_rows_last(scales.reshape(rows, blocks, 8, 2), groups), -1, -2)  # [pair][row][2]
+    parts = [np.ascontiguousarray(_rows_last(d, groups)).view(np.uint8), paired.reshape(groups, blocks, 128),
+             _interleave_nibbles(values & 0xF), top]
+    return torch.from_numpy(np.concatenate(parts, axis=-1))
+
+
+REPACK = {GGMLQuantizationType.Q4_K: repack_q4_k_x8, GGMLQuantizationType.Q6_K: repack_q6_k_x8}
+
+
 def kernel_layout(part: QuantTensor) -> torch.Tensor:
-    """The bytes the kernel reads for a part: Q4_K repacked eight rows at a time where the
-    rows allow (its products are then about twice as fast), other types as stored."""
-    if part.qtype == GGMLQuantizationType.Q4_K and part.shape[0] % X8_ROWS == 0:
-        return repack_q4_k_x8(part.data)
+    """The bytes the kernel reads for a part: Q4_K and Q6_K repacked eight rows at a time
+    where the rows allow (their products are then faster), other types as stored."""
+    if part.qtype in REPACK and part.shape[0] % X8_ROWS == 0:
+        return REPACK[part.qtype](part.data)
     return part.data
 
 
@@ -158,6 +195,11 @@ class QuantLinear:
         # on 2 MB pages: a step streams every matrix front to back (huge_pages.py)
         self._data = [on_huge_pages(kernel_layout(p)) for p in parts]
         self.weight_bytes = sum(d.numel() for d in self._data)
+
+    @property
+    def kernel_parts(self) -> list[torch.Tensor]:
+        """The parts as quant_linear.cpp (and decoder_layer.cpp) take them."""
+        return self._data
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -3,7 +3,7 @@
 // W is one or more parts stacked along the outputs (a fused q|k|v may mix Q4_K and Q6_K
 // rows), each a uint8 tensor (rows, blocks per row, bytes per block) in GGUF's own row
 // layout; the bytes per block name the type (quant.py): 144 Q4_K, 210 Q6_K, 34 Q8_0,
-// 18 Q4_0, 20 Q4_1, and 1216 for Q4_K repacked eight rows at a time (below).
+// 18 Q4_0, 20 Q4_1, and 1216 and 1696 for Q4_K and Q6_K repacked eight rows at a time (below).
 //
 // Each row of x is quantized on its own, as llama.cpp does: to 8 bits per 256 values with
 // one fp32 scale and the sums of each 16 (Q8_K) for the K-quants, per 32 for the others. A weight
@@ -27,6 +27,7 @@ constexpr int64_t QK8_0 = 32;  // values per Q8_0 block
 constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied brought into L1
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20;
 constexpr int64_t Q4_K_X8_BYTES = 1216;  // eight rows' Q4_K blocks, repacked (q4k_x8_rows)
+constexpr int64_t Q6_K_X8_BYTES = 1696;  // eight rows' Q6_K blocks, repacked (q6k_x8_rows)
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -285,6 +286,88 @@ void q4k_x8_rows(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, 
   }
 }
 
+// Q6_K repacked eight rows at a time (quant.py, repack_q6_k_x8), the same way: per block,
+// the eight rows' d (fp32), their int8 scales by pair of groups of 16 ([pair][row][2]), the
+// low four bits of the values as Q4_K's repacking lays out nibbles, then per group of 32
+// and each half of it, 32 bytes whose byte 4r + i holds the top two bits of row r's values
+// 32g + 16h + 4k + i at bits 2k, 2k + 1. Values are 0-63, so two products add as int16
+// (at most 2 x 2 x 63 x 127 = 32004) before a scale applies; the -32 of every value is
+// carried by the scales times the inputs' sums of 16.
+template <int ROWS>
+void q6k_x8_rows(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
+                 int64_t ldo) {
+  const int64_t M = ROWS > 0 ? ROWS : static_cast<int64_t>(x.size());
+  std::vector<__m256> acc_any(ROWS > 0 ? 0 : M);
+  std::vector<__m256i> sum_any(ROWS > 0 ? 0 : M);
+  __m256 acc_fixed[ROWS > 0 ? ROWS : 1];
+  __m256i sum_fixed[ROWS > 0 ? ROWS : 1];
+  __m256* acc = ROWS > 0 ? acc_fixed : acc_any.data();
+  __m256i* sum = ROWS > 0 ? sum_fixed : sum_any.data();
+  const __m256i low = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
+  for (int64_t group = g0; group < g1; ++group) {
+    for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    const uint8_t* base = w + group * blocks * Q6_K_X8_BYTES;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* blk = base + b * Q6_K_X8_BYTES;
+      for (int line = 0; line < Q6_K_X8_BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q6_K_X8_BYTES + line), _MM_HINT_T0);
+      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
+      for (int64_t m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
+        const __m256i first = _mm256_or_si256(_mm256_and_si256(pair, low16), _mm256_slli_epi32(pair, 16));
+        const __m256i second = _mm256_or_si256(_mm256_srli_epi32(pair, 16), _mm256_andnot_si256(low16, pair));
+        __m256i v[8];
+        for (int half = 0; half < 2; ++half) {
+          const __m256i raw0 = load32(blk + 160 + 32 * (4 * g + 2 * half));
+          const __m256i raw1 = load32(blk + 160 + 32 * (4 * g + 2 * half + 1));
+          const __m256i high = load32(blk + 1184 + 64 * g + 32 * half);
+          v[4 * half + 0] = _mm256_or_si256(_mm256_and_si256(raw0, low), _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
+          v[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), low),
+                                            _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
+          v[4 * half + 2] = _mm256_or_si256(_mm256_and_si256(raw1, low), _mm256_and_si256(high, top));
+          v[4 * half + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), low),
+                                            _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
+        }
+        for (int64_t m = 0; m < M; ++m) {
+          const int8_t* q = x[m].q.data() + b * QK_K + 32 * g;
+          __m256i p[4];
+          for (int u = 0; u < 4; ++u) {  // values 8u .. 8u + 7 of the group: two products
+            int32_t a, c;
+            std::memcpy(&a, q + 8 * u, 4);
+            std::memcpy(&c, q + 8 * u + 4, 4);
+            p[u] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * u], _mm256_set1_epi32(a)),
+                                    _mm256_maddubs_epi16(v[2 * u + 1], _mm256_set1_epi32(c)));
+          }
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_add_epi32(_mm256_madd_epi16(p[0], first), _mm256_madd_epi16(p[1], first)));
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_add_epi32(_mm256_madd_epi16(p[2], second), _mm256_madd_epi16(p[3], second)));
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        const int16_t* s16 = x[m].sums16.data() + b * 16;
+        __m256i offset = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {  // scales of groups 2g, 2g + 1 times their inputs' sums
+          const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
+          const __m256i sums = _mm256_set1_epi32((static_cast<int32_t>(s16[2 * g + 1]) << 16) | (s16[2 * g] & 0xFFFF));
+          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pair, sums));
+        }
+        const __m256i total = _mm256_sub_epi32(sum[m], _mm256_slli_epi32(offset, 5));
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[m].d[b])), _mm256_cvtepi32_ps(total), acc[m]);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ldo + 8 * group, acc[m]);
+  }
+}
+
+void q6k_x8_rows_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
+                     int64_t ldo) {
+  switch (x.size()) {
+    case 1: return q6k_x8_rows<1>(w, blocks, x, g0, g1, out, ldo);
+    case 2: return q6k_x8_rows<2>(w, blocks, x, g0, g1, out, ldo);
+    default: return q6k_x8_rows<0>(w, blocks, x, g0, g1, out, ldo);
+  }
+}
+
 void q4k_x8_rows_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
                      int64_t ldo) {
   switch (x.size()) {
@@ -342,6 +425,7 @@ int64_t block_values(int64_t bytes) {
   switch (bytes) {
     case Q4_K_BYTES:
     case Q4_K_X8_BYTES:
+    case Q6_K_X8_BYTES:
     case Q6_K_BYTES: return QK_K;
     case Q8_0_BYTES:
     case Q4_0_BYTES:
@@ -368,7 +452,7 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     const int64_t values = block_values(p.size(2));
     TORCH_CHECK(p.size(1) * values == K, "quant_linear: a part's blocks cover ", p.size(1) * values, " inputs, not ", K);
     (values == QK_K ? k_quants : q8_0) = true;
-    rows += p.size(0) * (p.size(2) == Q4_K_X8_BYTES ? 8 : 1);
+    rows += p.size(0) * (p.size(2) == Q4_K_X8_BYTES || p.size(2) == Q6_K_X8_BYTES ? 8 : 1);
   }
   TORCH_CHECK(rows == N, "quant_linear: the parts hold ", rows, " rows, not ", N);
   std::vector<Q8Row> x8k, x80;
@@ -383,8 +467,11 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     const uint8_t* w = p.data_ptr<uint8_t>();
     const int64_t blocks = p.size(1), bytes = p.size(2), n_rows = p.size(0);
     float* out = yp + first;
-    if (bytes == Q4_K_X8_BYTES) {  // n_rows groups of eight
-      at::parallel_for(0, n_rows, 2, [&](int64_t g0, int64_t g1) { q4k_x8_rows_any(w, blocks, x8k, g0, g1, out, N); });
+    if (bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) {  // n_rows groups of eight
+      at::parallel_for(0, n_rows, 2, [&](int64_t g0, int64_t g1) {
+        if (bytes == Q4_K_X8_BYTES) q4k_x8_rows_any(w, blocks, x8k, g0, g1, out, N);
+        else q6k_x8_rows_any(w, blocks, x8k, g0, g1, out, N);
+      });
       first += 8 * n_rows;
       continue;
     }

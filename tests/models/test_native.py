@@ -133,11 +133,12 @@ def test_bf16_attention_rows_equal_one_row_calls_at_smollm2_head_shapes():
             assert torch.equal(together[:, :, row], alone[:, :, 0]), (trial, row)
 
 
+@pytest.mark.parametrize("quant", [None, "q8_0", "q4_0"])  # bf16 weights, or quantized ones (quant_linear.cpp)
 @pytest.mark.parametrize("folder", ["tiny_llama", "tiny_qwen2"])  # qwen2: q/k/v biases
-def test_every_layer_in_one_call_is_bitwise_the_kernels_one_by_one(folder, request, kernel_module):
+def test_every_layer_in_one_call_is_bitwise_the_kernels_one_by_one(folder, quant, request, kernel_module):
     from specdecode.core.trees import build_tree, tree_attention
 
-    model = NativeModel.from_folder(request.getfixturevalue(folder), torch.bfloat16)
+    model = NativeModel.from_folder(request.getfixturevalue(folder), torch.bfloat16, quant)
     assert model.layer_in_one_call
     results = {}
     for one_call in (True, False):

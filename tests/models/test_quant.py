@@ -46,13 +46,13 @@ def reference(x: torch.Tensor, w: QuantTensor) -> np.ndarray:
     return rows @ w.dequantize().double().numpy().T
 
 
-# 40 rows: Q4_K runs repacked eight rows at a time; 42: as stored (kernel_layout)
+# 40 rows: Q4_K and Q6_K run repacked eight rows at a time; 42: as stored (kernel_layout)
 @pytest.mark.parametrize("rows", [40, 42])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_kernel_product_matches_the_dequantized_blocks(qtype, rows, kernel_module):
     w = random_blocks(qtype, rows, 512)
     data = kernel_layout(w)
-    assert data.shape[-1] == (X8_BYTES if qtype == T.Q4_K and rows % 8 == 0 else GGML_QUANT_SIZES[qtype][1])
+    assert data.shape[-1] == (X8_BYTES[qtype] if qtype in X8_BYTES and rows % 8 == 0 else GGML_QUANT_SIZES[qtype][1])
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = kernel_module.quant_linear(x, [data], None, rows).float().numpy()
     want = reference(x, w)
