@@ -13,6 +13,7 @@ from specdecode.policy.adaptive import (
     AdaptiveK,
     CostModel,
     best_k,
+    can_pay,
     best_k_from_rounds,
     speedup_from_rounds,
 )
@@ -253,3 +254,15 @@ def test_tree_gate_switches_a_useless_tree_off_and_a_paying_one_on():
     for _ in range(5):
         gate.open() and gate.observe(0)
     assert not gate.open() and gate.fresh().open()  # fresh: the prior again
+
+
+def test_a_draft_nearly_as_slow_as_the_target_never_drafts_even_to_probe():
+    """A 0.5B draft quantized like its 1.5B target cost 0.75 of a target step on an AVX2
+    CPU: even drafts always accepted would gain about 1.03x, less than a probe's catch-up
+    costs, so the policy stays off and says why."""
+    costs = CostModel(0.75, (1.0, 1.19, 1.54, 1.87, 2.21))
+    policy = AdaptiveK(costs)
+    assert not can_pay(costs, policy.k_max) and can_pay(COSTS, policy.k_max)
+    assert simulate(policy, lambda r: 1.0, costs, rounds=200) == 1.0  # plain decoding, exactly
+    assert set(policy.history) == {0}
+    assert policy.describe().startswith("off: a draft step costs 0.75 of a target step here")

@@ -14,7 +14,11 @@ acceptance: a longer draft is accepted more in total but may cost more than it b
 maximum-likelihood estimate for a geometric run: accepted / (accepted + rejections)),
 with exponential forgetting so a change of topic is followed, and picks the best k each
 round. When drafting does not pay it switches off, and probes with k = 1 every
-`probe_every` rounds so that it notices when drafting starts to pay again.
+`probe_every` rounds so that it notices when drafting starts to pay again. Where even
+drafts that are always accepted would gain less than `PROBE_PAYS` (a draft model almost
+as slow as the target, as a quantized 0.5B draft for a quantized 1.5B target is on an AVX2
+CPU), it never drafts at all: a probe then costs more than it could ever bring back (the
+draft model must first catch up on every token since it last ran).
 
 It follows the engine's draft-length interface (core/draft_length.py), as `FixedK` does
 for a constant k; a drafter that keeps a policy of its own (the hybrid) takes a `fresh()`
@@ -84,6 +88,14 @@ def best_k_from_rounds(rounds: Sequence[tuple[int, int]], costs: CostModel, k_ma
     return max(((k, speedup_from_rounds(rounds, costs, k)) for k in range(k_max + 1)), key=lambda kv: kv[1])
 
 
+PROBE_PAYS = 1.1  # the best speedup at full acceptance below which drafting never starts
+
+
+def can_pay(costs: CostModel, k_max: int) -> bool:
+    """Whether drafting could ever pay enough to be tried: its speedup at α = 1."""
+    return best_k(1.0, costs, k_max)[1] >= PROBE_PAYS
+
+
 def break_even_alpha(costs: CostModel, k_max: int) -> float:
     """The lowest acceptance α, in hundredths, at which drafting pays at all (best_k > 0)."""
     return next((i / 100 for i in range(101) if best_k(i / 100, costs, k_max)[0] > 0), 1.0)
@@ -111,6 +123,9 @@ class AdaptiveK:
         return (self.accepted + self.prior_alpha * self.prior_weight) / (self.positions + self.prior_weight)
 
     def next_k(self) -> int:
+        if not can_pay(self.costs, self.k_max):
+            self.history.append(0)
+            return 0
         k, _ = best_k(self.alpha, self.costs, self.k_max)
         if k == 0:
             self.rounds_off += 1
@@ -125,6 +140,9 @@ class AdaptiveK:
         """What the policy chose over a generation, and why, in one line."""
         drafting = [k for k in self.history if k > 0]
         off = len(self.history) - len(drafting)
+        if not can_pay(self.costs, self.k_max):
+            return (f"off: a draft step costs {self.costs.draft_ratio:.2f} of a target step here; even drafts "
+                    f"always accepted would gain {best_k(1.0, self.costs, self.k_max)[1]:.2f}x")
         if not self.history or off > len(self.history) / 2:
             return (f"off: acceptance {self.alpha:.2f} does not pay for the draft "
                     f"(it pays from {break_even_alpha(self.costs, self.k_max):.2f} here)")
