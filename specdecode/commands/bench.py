@@ -36,6 +36,8 @@ import torch
 
 from specdecode.policy.adaptive import expected_tokens
 from specdecode.api import load_model
+from specdecode.commands import llamacpp_peer
+from specdecode.models.store import gguf_file
 from specdecode.models.load import quant_format
 from specdecode.heads.loading import eagle_drafter, medusa_drafter
 from specdecode.options import BENCH_METHODS as METHODS, DEFAULT_DRAFT, DEFAULT_TARGET
@@ -153,6 +155,23 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
     return methods
 
 
+def llamacpp_methods(target, max_new_tokens: int, lookup_k: int, temperature: float, log) -> list[Method]:
+    """llama.cpp's plain decoding and prompt lookup on the target's GGUF file (llamacpp_peer.py),
+    or none, with a one-line note saying why."""
+    why = llamacpp_peer.unavailable(temperature)
+    if why is None:
+        try:
+            gguf = gguf_file(target.info.folder, progress=False)
+        except SpecDecodeError as err:
+            why = f"no GGUF file for the target ({err})"
+    if why is not None:
+        log(f"llama.cpp peer skipped: {why}")
+        return []
+    log(f"loading llama.cpp on {gguf.name}")
+    runs = llamacpp_peer.peer_runs(gguf, torch.get_num_threads(), max_new_tokens, target.info.eos_token_ids, lookup_k)
+    return [Method(name, k, lambda ids, category, run=run: Run(*run(ids, category)), ours=False) for name, k, run in runs]
+
+
 def expand_turns(target, questions, stop) -> list[tuple[str, list[int]]]:
     """(category, prompt ids) for every turn; later turns carry plain decoding's answers."""
     prompts = []
@@ -170,7 +189,8 @@ def expand_turns(target, questions, stop) -> list[tuple[str, list[int]]]:
 def run_bench(questions, target_name=DEFAULT_TARGET, draft_name: str | None = DEFAULT_DRAFT,
               methods=("draft-model", "prompt-lookup", "adaptive"), ks=(2, 3, 4), lookup_k=4,
               max_new_tokens=64, repeats=3, temperature=0.0, seed=0, peers=True, profile=None,
-              log=print, tree_widths=((2, 2, 1), (3, 1, 1)), dtype: str | None = None) -> dict:
+              log=print, tree_widths=((2, 2, 1), (3, 1, 1)), dtype: str | None = None,
+              llama_cpp: bool = True) -> dict:
     from tqdm import tqdm
 
     target = load_model(target_name, dtype)
@@ -183,6 +203,8 @@ def run_bench(questions, target_name=DEFAULT_TARGET, draft_name: str | None = DE
     log("loading the methods (and transformers' copies of the weights for the peers)")
     method_list = build_methods(target, draft, methods, ks, lookup_k, profile, stop, sampling, seed, peers,
                                 max_new_tokens, tree_widths)
+    if llama_cpp:
+        method_list += llamacpp_methods(target, max_new_tokens, lookup_k, temperature, log)
     prompts = expand_turns(target, questions, stop)
 
     log("warm-up: every method once")

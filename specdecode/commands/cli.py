@@ -165,6 +165,9 @@ def add_bench(sub) -> None:
                    "(default: 3)")
     p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                    help="also run transformers' generate: plain, assisted, prompt lookup")
+    p.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run llama.cpp on the target's GGUF file, plain and with prompt lookup (greedy; needs "
+                        "the [llamacpp] extra; skipped with a note without it)")
     p.add_argument("--profile", help="a `specdecode tune` profile for the tuned method")
     p.add_argument("--dtype", default=None, help=DTYPE_HELP + " (target and draft alike)")
     p.add_argument("--out", default="out/bench", help="folder for results.json, report.md and plots")
@@ -192,7 +195,7 @@ def run_bench_cmd(args) -> int:
                                and (args.draft or m not in ("draft-model", "adaptive"))]
     result = run_bench(questions, args.target, args.draft or None, tuple(methods), ks, args.lookup_k,
                        args.max_new_tokens, args.repeats, args.temperature, args.seed, args.peers, profile, log=log,
-                       tree_widths=tree_widths, dtype=args.dtype)
+                       tree_widths=tree_widths, dtype=args.dtype, llama_cpp=args.llama_cpp)
     for path in write_report(result, Path(args.out)):
         log(f"wrote {path}")
     print(table(result))

@@ -5,8 +5,8 @@ Two builds of the same functions, one per kind of CPU:
   layer (cpu_ops.cpp) and attention over the cache (attention.cpp), in AVX-512;
 - "avx2" (other x86-64 CPUs, such as AMD Zen 3): the same, eight lanes wide
   (avx2_linear.cpp, avx2_ops.cpp, avx2_attention.cpp).
-Both add the rotary embedding (rope.cpp) and every layer of a pass in one call
-(decoder_layer.cpp).
+Both add the rotary embedding (rope.cpp), every layer of a pass in one call
+(decoder_layer.cpp) and the products over quantized GGUF blocks (quant_linear.cpp, AVX2).
 
 `kernel()` returns the compiled module, or None where none can run (no AVX2, no compiler)
 so that `Linear` falls back to oneDNN or F.linear. The build (1-3 minutes) goes to

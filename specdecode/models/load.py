@@ -4,6 +4,7 @@
 forward when the architecture allows, else the transformers adapter. bf16 is the default
 on CPU: decoding streams weights, bf16 halves the bytes, and with packed weights it
 streams at the same rate as fp32 (measured in `linear.py`), so a step costs about half.
+Quantized weights (`gguf`, `q8_0`, `q4_0`; quant.py) run on the native backend only.
 """
 
 from __future__ import annotations

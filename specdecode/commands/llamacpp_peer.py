@@ -1,0 +1,56 @@
+"""llama.cpp as a peer in `bench`: its plain decoding and its prompt-lookup speculation on
+the same GGUF file, prompt token ids, greedy budget and thread count as ours.
+
+It runs through the llama-cpp-python binding, an optional extra
+(`pip install -e '.[llamacpp]'`, which builds llama.cpp from source: 10-15 minutes on two
+cores). Where the binding is missing, or the target has no GGUF file, or sampling is
+asked for, the peer is skipped with a one-line note. Its output is not compared with ours
+for identity: llama.cpp's kernels round differently.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def unavailable(temperature: float) -> str | None:
+    """Why the llama.cpp peer cannot run here, or None."""
+    if temperature > 0:
+        return "it runs greedy decoding only"
+    try:
+        import llama_cpp  # noqa: F401
+    except (ImportError, OSError, RuntimeError) as err:  # not installed, or its library failed to load
+        return f"the llama-cpp-python binding is not available ({err}); pip install -e '.[llamacpp]'"
+    return None
+
+
+def peer_runs(gguf: Path, threads: int, max_new_tokens: int, eos: Sequence[int], lookup_k: int,
+              context: int = 4096) -> list[tuple[str, int | None, Callable]]:
+    """(name, k, run) for llama.cpp's plain decoding and its prompt lookup (k = lookup_k);
+    each run takes (prompt ids, category) and returns (seconds, new token ids)."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    def load(**kwargs):
+        return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
+                     verbose=False, **kwargs)
+
+    def runner(llm):
+        def run(prompt_ids, category):
+            tokens: list[int] = []
+            llm.reset()  # else a repeated prompt would skip its prefill, reusing the cached prefix
+            started = time.perf_counter()
+            for token in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+                if token in eos:
+                    break
+                tokens.append(token)
+                if len(tokens) >= max_new_tokens:
+                    break
+            return time.perf_counter() - started, tokens
+        return run
+
+    return [("llama.cpp plain", None, runner(load())),
+            ("llama.cpp prompt-lookup", lookup_k,
+             runner(load(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_k))))]

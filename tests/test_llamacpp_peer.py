@@ -1,0 +1,32 @@
+"""llama.cpp as a bench peer: skipped with a reason where it cannot run, and, where the
+optional binding is installed, run on the target's own GGUF file."""
+
+import sys
+
+import pytest
+
+from specdecode.commands import llamacpp_peer
+
+
+def test_without_the_binding_the_peer_is_skipped_with_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as when not installed
+    assert "pip install -e '.[llamacpp]'" in llamacpp_peer.unavailable(0.0)
+
+
+def test_sampling_is_not_offered_to_the_peer():
+    assert llamacpp_peer.unavailable(0.7) == "it runs greedy decoding only"
+
+
+@pytest.mark.real
+def test_the_peer_decodes_greedily_on_the_targets_gguf_to_the_budget(smollm2_folder):
+    pytest.importorskip("llama_cpp", reason="the optional [llamacpp] extra is not installed")
+    from specdecode.models.store import gguf_file
+
+    runs = llamacpp_peer.peer_runs(gguf_file(smollm2_folder), 2, 12, eos=(), lookup_k=3, context=512)
+    assert [name for name, _, _ in runs] == ["llama.cpp plain", "llama.cpp prompt-lookup"]
+    prompt = [1, 504, 3303, 282, 253, 1345, 30, 198]
+    outputs = [run(prompt, "chat") for _, _, run in runs]
+    for seconds, tokens in outputs:
+        assert seconds > 0 and len(tokens) == 12
+    assert outputs[0][1] == outputs[1][1]  # its prompt lookup keeps its own greedy output
+    assert runs[0][2](prompt, "chat")[1] == outputs[0][1]  # a repeat prefills again and decodes the same
