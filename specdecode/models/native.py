@@ -157,6 +157,8 @@ class NativeModel:
         self.norm = w("model.norm.weight")
         head = weights.pop("lm_head.weight", None) if not c.tie_word_embeddings or isinstance(embed, QuantTensor) else None
         head = embed if head is None else head  # a GGUF may store a tied model's head apart, in its own type
+        # the table held once, as the head (a quantized head is a copy, on huge pages and maybe repacked)
+        self.head_is_embedding = head is embed and not isinstance(embed, QuantTensor)
         if isinstance(head, QuantTensor):
             self.lm_head = QuantLinear([head])
         else:
@@ -236,7 +238,7 @@ class NativeModel:
     def memory_bytes(self) -> int:
         """Bytes of weights held: what decoding streams, plus the embedding table if separate."""
         embed = self.embed.numel() * self.embed.element_size()
-        return self.weight_bytes_per_token + (0 if self.config.tie_word_embeddings else embed)
+        return self.weight_bytes_per_token + (0 if self.head_is_embedding else embed)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         needed = int(positions.max()) + 1
