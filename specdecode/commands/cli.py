@@ -122,6 +122,29 @@ def run_speed_cmd(args) -> int:
     return 0
 
 
+def add_quality(sub) -> None:
+    p = sub.add_parser("quality", help="what a quantized dtype costs: KL, top-1 agreement and perplexity "
+                                       "against a float dtype of the same model, on a fixed text")
+    p.add_argument("--target", default=DEFAULT_TARGET,
+                   help=f"registry name, transformers folder or .gguf (default: {DEFAULT_TARGET})")
+    p.add_argument("--dtype", default="gguf", help="the dtype measured (default: gguf): " + DTYPE_HELP)
+    p.add_argument("--reference", default="bf16", help="the dtype it is measured against (default: bf16; fp32 "
+                                                         "for the exact dequantized values)")
+    p.add_argument("--tokens", type=int, default=2048, help="positions compared (default: 2048)")
+    p.add_argument("--chunk", type=int, default=512, help="tokens per pass (default: 512)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=run_quality_cmd)
+
+
+def run_quality_cmd(args) -> int:
+    from specdecode.commands.quality import format_quality, run_quality
+
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    result = run_quality(args.target, args.dtype, args.reference, args.tokens, args.chunk, log=log)
+    print(json.dumps(result) if args.json else format_quality(result))
+    return 0
+
+
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -407,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_models.add_commands(sub)
     add_generate(sub)
     add_speed(sub)
+    add_quality(sub)
     add_bench(sub)
     add_tune(sub)
     add_train(sub)

@@ -147,3 +147,17 @@ def test_smollm2_gguf_prompt_lookup_is_greedy_identical(smollm2_folder):
     for k in (2, 6):
         lookup, done = collect(decode(model, prompt, stop, drafter=PromptLookup(), k=k))
         assert lookup == plain and done.stats.accepted_tokens > 0
+
+
+def test_quality_compares_a_quantized_model_with_its_float_one(tiny_llama, kernel_module):
+    from specdecode.commands.quality import compare
+
+    reference = NativeModel.from_folder(tiny_llama, torch.bfloat16)
+    chunks = [torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
+    same = compare(reference, reference, chunks)
+    assert same["positions"] == 78 and same["top1_agreement"] == 1.0 and same["max_abs_logit_diff"] == 0.0
+    assert same["mean_kl"] == pytest.approx(0.0, abs=1e-6)
+    eight, four = (compare(reference, NativeModel.from_folder(tiny_llama, torch.bfloat16, q), chunks)
+                   for q in ("q8_0", "q4_0"))
+    assert 0 < eight["mean_kl"] < four["mean_kl"]  # fewer bits, further from the float model
+    assert eight["top1_agreement"] >= four["top1_agreement"] and eight["top1_agreement"] > 0.8
