@@ -110,7 +110,7 @@ def _interleave_nibbles(values: np.ndarray) -> np.ndarray:
 
 def repack_q4_k_x8(data: torch.Tensor) -> torch.Tensor:
     """Q4_K blocks (rows, blocks, 144) -> eight rows interleaved per block (rows / 8, blocks,
-    1216), as quant_linear.cpp's q4k_x8_rows reads them: the rows' d, dmin (fp32), 6-bit
+    1216), as quant_linear.cpp's Q4KX8 reads them: the rows' d, dmin (fp32), 6-bit
     scales [group][row] and mins [pair of groups][row][2] decoded to bytes, then the values'
     nibbles (_interleave_nibbles). The values and scales are the file's, unchanged."""
     raw = data.numpy()
@@ -136,7 +136,7 @@ def repack_q4_k_x8(data: torch.Tensor) -> torch.Tensor:
 
 def repack_q6_k_x8(data: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks (rows, blocks, 210) -> eight rows interleaved per block (rows / 8, blocks,
-    1696), as q6k_x8_rows reads them: the rows' d (fp32), int8 scales [pair of groups of
+    1696), as quant_linear.cpp's Q6KX8 reads them: the rows' d (fp32), int8 scales [pair of groups of
     16][row][2], the low four bits of the values (_interleave_nibbles), then per group g of
     32 and half h, 32 bytes whose byte 4r + i holds the top two bits of row r's values
     32g + 16h + 4k + i at bits 2k, 2k + 1. The values and scales are the file's, unchanged."""

@@ -26,8 +26,8 @@ constexpr int64_t QK_K = 256;  // values per K-quant block
 constexpr int64_t QK8_0 = 32;  // values per Q8_0 block
 constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied brought into L1
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20;
-constexpr int64_t Q4_K_X8_BYTES = 1216;  // eight rows' Q4_K blocks, repacked (q4k_x8_rows)
-constexpr int64_t Q6_K_X8_BYTES = 1696;  // eight rows' Q6_K blocks, repacked (q6k_x8_rows)
+constexpr int64_t Q4_K_X8_BYTES = 1216;  // eight rows' Q4_K blocks, repacked (Q4KX8)
+constexpr int64_t Q6_K_X8_BYTES = 1696;  // eight rows' Q6_K blocks, repacked (Q6KX8)
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -74,6 +74,13 @@ inline float hsum(__m256 v) {
 }
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Four int8 inputs at q, repeated in every 32-bit lane.
+inline __m256i broadcast4(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, 4);
+  return _mm256_set1_epi32(four);
+}
 
 // Each block type: `unpack` a block once, then `dot` it with block b of any number of rows,
 // adding to that row's eight fp32 lanes (summed once the row of weights is done).
@@ -218,17 +225,124 @@ struct Q80 {
   }
 };
 
-// Q4_K repacked eight rows at a time (quant.py, repack_q4_k_x8), for every row count: per
-// block of 256 inputs, the eight rows' d and dmin (fp32), their 6-bit scales by group of
-// 32 (a byte each, [group][row]), their mins by pair of groups ([pair][row][2]), then for
-// each group g and each j < 4, 32 bytes: byte 4r + i holds row r's value 32g + 8j + i in
-// its low nibble and value 32g + 8j + 4 + i in its high one. One 256-bit vector so holds
-// four values of each of the eight rows: a product with four inputs broadcast gives each
-// row's sum in its own lane, and no lane sums are needed. The eight products of a group
-// are added as int16 (at most 8 x 2 x 15 x 127 = 30480) before its scale applies.
-template <int ROWS>
-void q4k_x8_rows(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
-                 int64_t ldo) {
+// Blocks repacked eight rows at a time (quant.py): one 256-bit vector holds four values
+// of each of the eight rows, so a product with four inputs broadcast leaves each row's sum
+// in its own lane, and no lane sums are needed. Each type: `load` a block's per-row scales,
+// `unpack` its group g of 32 values once, `dot` that group with a row's 32 inputs (int32 per
+// output row), and `finish` a row's block sum with its offsets and fp32 scales.
+
+// Q4_K (repack_q4_k_x8): per block, the eight rows' d and dmin (fp32), their 6-bit scales
+// by group of 32 (a byte each, [group][row]), their mins by pair of groups
+// ([pair][row][2]), then for each group g and j < 4, 32 bytes: byte 4r + i holds row r's
+// value 32g + 8j + i in its low nibble and value 32g + 8j + 4 + i in its high one. A
+// group's eight products are added as int16 (at most 8 x 2 x 15 x 127 = 30480) before its
+// scale applies.
+struct Q4KX8 {
+  static constexpr int64_t BYTES = Q4_K_X8_BYTES;
+  const uint8_t* blk;
+  __m256 d, dmin;
+  __m256i v[8], scale;
+
+  void load(const uint8_t* b) {
+    blk = b;
+    d = _mm256_loadu_ps(reinterpret_cast<const float*>(b));
+    dmin = _mm256_loadu_ps(reinterpret_cast<const float*>(b + 32));
+  }
+
+  void unpack(int g) {
+    const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * g)));
+    scale = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // (s, s) per row
+    const __m256i low = _mm256_set1_epi8(0xF);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load32(blk + 192 + 32 * (4 * g + j));
+      v[2 * j] = _mm256_and_si256(raw, low);
+      v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+  }
+
+  __m256i dot(const int8_t* q) const {
+    __m256i s16 = _mm256_maddubs_epi16(v[0], broadcast4(q));
+    for (int t = 1; t < 8; ++t) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[t], broadcast4(q + 4 * t)));
+    return _mm256_madd_epi16(s16, scale);
+  }
+
+  void finish(const Q8Row& x, int64_t b, __m256i sum, __m256& acc) const {
+    const int16_t* s16 = x.sums16.data() + b * 16;
+    __m256i offset = _mm256_setzero_si256();
+    for (int pair = 0; pair < 4; ++pair) {  // mins of groups 2p, 2p + 1 times their inputs' sums
+      const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * pair)));
+      const int32_t first = s16[4 * pair] + s16[4 * pair + 1], second = s16[4 * pair + 2] + s16[4 * pair + 3];
+      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(mins, _mm256_set1_epi32((second << 16) | (first & 0xFFFF))));
+    }
+    const __m256 dx = _mm256_set1_ps(x.d[b]);
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sum), acc);
+    acc = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(offset), acc);
+  }
+};
+
+// Q6_K (repack_q6_k_x8): per block, the eight rows' d (fp32), their int8 scales by pair of
+// groups of 16 ([pair][row][2]), the low four bits of the values laid out as Q4KX8's
+// nibbles, then per group of 32 and each half of it, 32 bytes whose byte 4r + i holds the
+// top two bits of row r's values 32g + 16h + 4k + i at bits 2k, 2k + 1. Values are 0-63,
+// so two products add as int16 (at most 2 x 2 x 63 x 127 = 32004) before a scale applies;
+// the -32 of every value is carried by the scales times the inputs' sums of 16.
+struct Q6KX8 {
+  static constexpr int64_t BYTES = Q6_K_X8_BYTES;
+  const uint8_t* blk;
+  __m256 d;
+  __m256i v[8], first, second;
+
+  void load(const uint8_t* b) {
+    blk = b;
+    d = _mm256_loadu_ps(reinterpret_cast<const float*>(b));
+  }
+
+  void unpack(int g) {
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
+    first = _mm256_or_si256(_mm256_and_si256(pair, low16), _mm256_slli_epi32(pair, 16));  // group 2g's (s, s)
+    second = _mm256_or_si256(_mm256_srli_epi32(pair, 16), _mm256_andnot_si256(low16, pair));  // group 2g + 1's
+    const __m256i low = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i raw0 = load32(blk + 160 + 32 * (4 * g + 2 * half));
+      const __m256i raw1 = load32(blk + 160 + 32 * (4 * g + 2 * half + 1));
+      const __m256i high = load32(blk + 1184 + 64 * g + 32 * half);
+      v[4 * half + 0] = _mm256_or_si256(_mm256_and_si256(raw0, low), _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
+      v[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), low),
+                                        _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
+      v[4 * half + 2] = _mm256_or_si256(_mm256_and_si256(raw1, low), _mm256_and_si256(high, top));
+      v[4 * half + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), low),
+                                        _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
+    }
+  }
+
+  __m256i dot(const int8_t* q) const {
+    __m256i p[4];
+    for (int u = 0; u < 4; ++u)  // values 8u .. 8u + 7 of the group: two products
+      p[u] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * u], broadcast4(q + 8 * u)),
+                              _mm256_maddubs_epi16(v[2 * u + 1], broadcast4(q + 8 * u + 4)));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], first), _mm256_madd_epi16(p[1], first)),
+                            _mm256_add_epi32(_mm256_madd_epi16(p[2], second), _mm256_madd_epi16(p[3], second)));
+  }
+
+  void finish(const Q8Row& x, int64_t b, __m256i sum, __m256& acc) const {
+    const int16_t* s16 = x.sums16.data() + b * 16;
+    __m256i offset = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {  // scales of groups 2g, 2g + 1 times their inputs' sums
+      const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
+      const __m256i sums = _mm256_set1_epi32((static_cast<int32_t>(s16[2 * g + 1]) << 16) | (s16[2 * g] & 0xFFFF));
+      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pair, sums));
+    }
+    const __m256i total = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), _mm256_cvtepi32_ps(total), acc);
+  }
+};
+
+// out[m * ldo + 8 * group + r] for groups [g0, g1) of eight rows of `w` (repacked) times
+// activation row m. ROWS > 0 fixes the row count at compile time; 0 takes any.
+template <typename Block, int ROWS>
+void x8_rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
+                   int64_t ldo) {
   const int64_t M = ROWS > 0 ? ROWS : static_cast<int64_t>(x.size());
   std::vector<__m256> acc_any(ROWS > 0 ? 0 : M);
   std::vector<__m256i> sum_any(ROWS > 0 ? 0 : M);
@@ -236,144 +350,24 @@ void q4k_x8_rows(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, 
   __m256i sum_fixed[ROWS > 0 ? ROWS : 1];
   __m256* acc = ROWS > 0 ? acc_fixed : acc_any.data();
   __m256i* sum = ROWS > 0 ? sum_fixed : sum_any.data();
-  const __m256i low = _mm256_set1_epi8(0xF);
+  Block block;
   for (int64_t group = g0; group < g1; ++group) {
     for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    const uint8_t* base = w + group * blocks * Q4_K_X8_BYTES;
+    const uint8_t* base = w + group * blocks * Block::BYTES;
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = base + b * Q4_K_X8_BYTES;
-      for (int line = 0; line < Q4_K_X8_BYTES; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q4_K_X8_BYTES + line), _MM_HINT_T0);
-      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
-      const __m256 dmin = _mm256_loadu_ps(reinterpret_cast<const float*>(blk + 32));
+      const uint8_t* blk = base + b * Block::BYTES;
+      for (int line = 0; line < Block::BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Block::BYTES + line), _MM_HINT_T0);
+      block.load(blk);
       for (int64_t m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {
-        const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * g)));
-        const __m256i scale = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // (s, s) per row
-        __m256i v[8];
-        for (int j = 0; j < 4; ++j) {
-          const __m256i raw = load32(blk + 192 + 32 * (4 * g + j));
-          v[2 * j] = _mm256_and_si256(raw, low);
-          v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        }
-        for (int64_t m = 0; m < M; ++m) {
-          const int8_t* q = x[m].q.data() + b * QK_K + 32 * g;
-          int32_t four;
-          std::memcpy(&four, q, 4);
-          __m256i s16 = _mm256_maddubs_epi16(v[0], _mm256_set1_epi32(four));
-          for (int t = 1; t < 8; ++t) {
-            std::memcpy(&four, q + 4 * t, 4);
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[t], _mm256_set1_epi32(four)));
-          }
-          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(s16, scale));
-        }
+        block.unpack(g);
+        for (int64_t m = 0; m < M; ++m)
+          sum[m] = _mm256_add_epi32(sum[m], block.dot(x[m].q.data() + b * QK_K + 32 * g));
       }
-      for (int64_t m = 0; m < M; ++m) {
-        const int16_t* s16 = x[m].sums16.data() + b * 16;
-        __m256i offset = _mm256_setzero_si256();
-        for (int pair = 0; pair < 4; ++pair) {  // mins of groups 2p, 2p + 1 times their inputs' sums
-          const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * pair)));
-          const int32_t first = s16[4 * pair] + s16[4 * pair + 1], second = s16[4 * pair + 2] + s16[4 * pair + 3];
-          const __m256i sums = _mm256_set1_epi32((second << 16) | (first & 0xFFFF));
-          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(mins, sums));
-        }
-        const __m256 dx = _mm256_set1_ps(x[m].d[b]);
-        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sum[m]), acc[m]);
-        acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(offset), acc[m]);
-      }
+      for (int64_t m = 0; m < M; ++m) block.finish(x[m], b, sum[m], acc[m]);
     }
     for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ldo + 8 * group, acc[m]);
-  }
-}
-
-// Q6_K repacked eight rows at a time (quant.py, repack_q6_k_x8), the same way: per block,
-// the eight rows' d (fp32), their int8 scales by pair of groups of 16 ([pair][row][2]), the
-// low four bits of the values as Q4_K's repacking lays out nibbles, then per group of 32
-// and each half of it, 32 bytes whose byte 4r + i holds the top two bits of row r's values
-// 32g + 16h + 4k + i at bits 2k, 2k + 1. Values are 0-63, so two products add as int16
-// (at most 2 x 2 x 63 x 127 = 32004) before a scale applies; the -32 of every value is
-// carried by the scales times the inputs' sums of 16.
-template <int ROWS>
-void q6k_x8_rows(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
-                 int64_t ldo) {
-  const int64_t M = ROWS > 0 ? ROWS : static_cast<int64_t>(x.size());
-  std::vector<__m256> acc_any(ROWS > 0 ? 0 : M);
-  std::vector<__m256i> sum_any(ROWS > 0 ? 0 : M);
-  __m256 acc_fixed[ROWS > 0 ? ROWS : 1];
-  __m256i sum_fixed[ROWS > 0 ? ROWS : 1];
-  __m256* acc = ROWS > 0 ? acc_fixed : acc_any.data();
-  __m256i* sum = ROWS > 0 ? sum_fixed : sum_any.data();
-  const __m256i low = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30), low16 = _mm256_set1_epi32(0xFFFF);
-  for (int64_t group = g0; group < g1; ++group) {
-    for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    const uint8_t* base = w + group * blocks * Q6_K_X8_BYTES;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = base + b * Q6_K_X8_BYTES;
-      for (int line = 0; line < Q6_K_X8_BYTES; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Q6_K_X8_BYTES + line), _MM_HINT_T0);
-      const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(blk));
-      for (int64_t m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g) {
-        const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
-        const __m256i first = _mm256_or_si256(_mm256_and_si256(pair, low16), _mm256_slli_epi32(pair, 16));
-        const __m256i second = _mm256_or_si256(_mm256_srli_epi32(pair, 16), _mm256_andnot_si256(low16, pair));
-        __m256i v[8];
-        for (int half = 0; half < 2; ++half) {
-          const __m256i raw0 = load32(blk + 160 + 32 * (4 * g + 2 * half));
-          const __m256i raw1 = load32(blk + 160 + 32 * (4 * g + 2 * half + 1));
-          const __m256i high = load32(blk + 1184 + 64 * g + 32 * half);
-          v[4 * half + 0] = _mm256_or_si256(_mm256_and_si256(raw0, low), _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
-          v[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), low),
-                                            _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
-          v[4 * half + 2] = _mm256_or_si256(_mm256_and_si256(raw1, low), _mm256_and_si256(high, top));
-          v[4 * half + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw1, 4), low),
-                                            _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
-        }
-        for (int64_t m = 0; m < M; ++m) {
-          const int8_t* q = x[m].q.data() + b * QK_K + 32 * g;
-          __m256i p[4];
-          for (int u = 0; u < 4; ++u) {  // values 8u .. 8u + 7 of the group: two products
-            int32_t a, c;
-            std::memcpy(&a, q + 8 * u, 4);
-            std::memcpy(&c, q + 8 * u + 4, 4);
-            p[u] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * u], _mm256_set1_epi32(a)),
-                                    _mm256_maddubs_epi16(v[2 * u + 1], _mm256_set1_epi32(c)));
-          }
-          sum[m] = _mm256_add_epi32(sum[m], _mm256_add_epi32(_mm256_madd_epi16(p[0], first), _mm256_madd_epi16(p[1], first)));
-          sum[m] = _mm256_add_epi32(sum[m], _mm256_add_epi32(_mm256_madd_epi16(p[2], second), _mm256_madd_epi16(p[3], second)));
-        }
-      }
-      for (int64_t m = 0; m < M; ++m) {
-        const int16_t* s16 = x[m].sums16.data() + b * 16;
-        __m256i offset = _mm256_setzero_si256();
-        for (int g = 0; g < 8; ++g) {  // scales of groups 2g, 2g + 1 times their inputs' sums
-          const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
-          const __m256i sums = _mm256_set1_epi32((static_cast<int32_t>(s16[2 * g + 1]) << 16) | (s16[2 * g] & 0xFFFF));
-          offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pair, sums));
-        }
-        const __m256i total = _mm256_sub_epi32(sum[m], _mm256_slli_epi32(offset, 5));
-        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x[m].d[b])), _mm256_cvtepi32_ps(total), acc[m]);
-      }
-    }
-    for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ldo + 8 * group, acc[m]);
-  }
-}
-
-void q6k_x8_rows_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
-                     int64_t ldo) {
-  switch (x.size()) {
-    case 1: return q6k_x8_rows<1>(w, blocks, x, g0, g1, out, ldo);
-    case 2: return q6k_x8_rows<2>(w, blocks, x, g0, g1, out, ldo);
-    default: return q6k_x8_rows<0>(w, blocks, x, g0, g1, out, ldo);
-  }
-}
-
-void q4k_x8_rows_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
-                     int64_t ldo) {
-  switch (x.size()) {
-    case 1: return q4k_x8_rows<1>(w, blocks, x, g0, g1, out, ldo);
-    case 2: return q4k_x8_rows<2>(w, blocks, x, g0, g1, out, ldo);
-    default: return q4k_x8_rows<0>(w, blocks, x, g0, g1, out, ldo);
   }
 }
 
@@ -410,14 +404,22 @@ void rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, i
   }
 }
 
-// rows_times for this many rows: one and two specialized (a decoding step, a short draft).
-template <typename Block>
+// A kernel for this many rows: one and two specialized (a decoding step, a short draft).
+template <typename Block, bool REPACKED>
 void rows_times_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t n0, int64_t n1, float* out,
                     int64_t ldo) {
-  switch (x.size()) {
-    case 1: return rows_times<Block, 1>(w, blocks, x, n0, n1, out, ldo);
-    case 2: return rows_times<Block, 2>(w, blocks, x, n0, n1, out, ldo);
-    default: return rows_times<Block, 0>(w, blocks, x, n0, n1, out, ldo);
+  if constexpr (REPACKED) {  // n0, n1 count groups of eight rows
+    switch (x.size()) {
+      case 1: return x8_rows_times<Block, 1>(w, blocks, x, n0, n1, out, ldo);
+      case 2: return x8_rows_times<Block, 2>(w, blocks, x, n0, n1, out, ldo);
+      default: return x8_rows_times<Block, 0>(w, blocks, x, n0, n1, out, ldo);
+    }
+  } else {
+    switch (x.size()) {
+      case 1: return rows_times<Block, 1>(w, blocks, x, n0, n1, out, ldo);
+      case 2: return rows_times<Block, 2>(w, blocks, x, n0, n1, out, ldo);
+      default: return rows_times<Block, 0>(w, blocks, x, n0, n1, out, ldo);
+    }
   }
 }
 
@@ -469,19 +471,19 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     float* out = yp + first;
     if (bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) {  // n_rows groups of eight
       at::parallel_for(0, n_rows, 2, [&](int64_t g0, int64_t g1) {
-        if (bytes == Q4_K_X8_BYTES) q4k_x8_rows_any(w, blocks, x8k, g0, g1, out, N);
-        else q6k_x8_rows_any(w, blocks, x8k, g0, g1, out, N);
+        if (bytes == Q4_K_X8_BYTES) rows_times_any<Q4KX8, true>(w, blocks, x8k, g0, g1, out, N);
+        else rows_times_any<Q6KX8, true>(w, blocks, x8k, g0, g1, out, N);
       });
       first += 8 * n_rows;
       continue;
     }
     // grain 16 rows: at most 16 x 210 x 35 bytes (118 KB) of weights per task on the widest
     at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
-      if (bytes == Q4_K_BYTES) rows_times_any<Q4K>(w, blocks, x8k, n0, n1, out, N);
-      else if (bytes == Q6_K_BYTES) rows_times_any<Q6K>(w, blocks, x8k, n0, n1, out, N);
-      else if (bytes == Q8_0_BYTES) rows_times_any<Q80>(w, blocks, x80, n0, n1, out, N);
-      else if (bytes == Q4_0_BYTES) rows_times_any<Q4Legacy<false>>(w, blocks, x80, n0, n1, out, N);
-      else rows_times_any<Q4Legacy<true>>(w, blocks, x80, n0, n1, out, N);
+      if (bytes == Q4_K_BYTES) rows_times_any<Q4K, false>(w, blocks, x8k, n0, n1, out, N);
+      else if (bytes == Q6_K_BYTES) rows_times_any<Q6K, false>(w, blocks, x8k, n0, n1, out, N);
+      else if (bytes == Q8_0_BYTES) rows_times_any<Q80, false>(w, blocks, x80, n0, n1, out, N);
+      else if (bytes == Q4_0_BYTES) rows_times_any<Q4Legacy<false>, false>(w, blocks, x80, n0, n1, out, N);
+      else rows_times_any<Q4Legacy<true>, false>(w, blocks, x80, n0, n1, out, N);
     });
     first += n_rows;
   }
