@@ -91,7 +91,7 @@ def stream(prompt: str | list[dict], target: str = DEFAULT_TARGET, *, draft: str
     seeds the adaptive policy with its measured costs and acceptance. drafter="medusa" uses
     the heads in `heads` (a folder), else those `specdecode train medusa` made for `target`.
     """
-    check_request(drafter, draft, k, profile, category, heads)
+    check_request(drafter, draft, k, profile, category, heads, dtype)
     target_model = load_model(target, dtype)
     sampling = SamplingConfig(temperature, top_k, top_p)
     the_drafter, k = plan(target_model, drafter, draft, k, profile, category, dtype, heads)

@@ -14,14 +14,17 @@ TREE_DRAFTERS = ("medusa", "eagle", "draft-tree")
 # Weights and activations: float dtypes, and quantized weights (bf16 activations) run on
 # GGUF blocks: "gguf" the file's own types, "q8_0" and "q4_0" a float model quantized.
 DTYPES = ("bf16", "fp32", "gguf", "q8_0", "q4_0")
+DTYPE_ALIASES = ("bfloat16", "float32")  # torch's names for bf16 and fp32
 DTYPE_HELP = ("bf16 (default), fp32, or quantized weights: gguf (the GGUF file's own blocks), "
               "q8_0 or q4_0 (a float model quantized at load)")
 
 
 def check_request(drafter: str | None, draft: str | None, k: int | str | None, profile: str | None,
-                  category: str | None, heads: str | None = None) -> None:
-    """Every check on a request's drafting arguments that needs no model: fails in
-    milliseconds, before anything loads."""
+                  category: str | None, heads: str | None = None, dtype: str | None = None) -> None:
+    """Every check on a request's drafting arguments (and dtype) that needs no model: fails
+    in milliseconds, before anything loads."""
+    if dtype is not None and dtype.lower() not in DTYPES + DTYPE_ALIASES:
+        raise SpecDecodeError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if drafter is not None and drafter not in DRAFTERS:
         raise SpecDecodeError(f"unknown drafter {drafter!r}; choose one of {', '.join(DRAFTERS)}")
     if isinstance(k, bool) or not (k is None or k == "auto" or isinstance(k, int)):

@@ -91,6 +91,7 @@ def test_no_import_cycle():
 @pytest.mark.parametrize("argv", [
     ["generate", "--prompt", "hi", "--drafter", "prompt-lookup", "--k", "0"],
     ["check", "--drafter", "prompt-lookup", "--samples", "0"],
+    ["generate", "--prompt", "hi", "--dtype", "q5"],
 ])
 def test_a_bad_flag_fails_before_torch_is_imported(argv):
     code = ("import sys; from specdecode.commands.cli import main; "

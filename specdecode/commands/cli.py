@@ -57,7 +57,7 @@ def _k_value(text: str):
 
 
 def run_generate(args) -> int:
-    check_request(args.drafter, args.draft, args.k, args.profile, args.category, args.heads)
+    check_request(args.drafter, args.draft, args.k, args.profile, args.category, args.heads, args.dtype)
     if args.max_new_tokens < 0:
         raise SpecDecodeError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     from specdecode.api import Generation, load_model, stream
@@ -397,7 +397,7 @@ def add_check(sub) -> None:
 
 def run_check_cmd(args) -> int:
     # Every flag is checked before torch loads; CheckSettings.validate checks again for API callers.
-    check_request(args.drafter, args.draft, args.k, args.profile, None, args.heads)
+    check_request(args.drafter, args.draft, args.k, args.profile, None, args.heads, args.dtype)
     if args.drafter is None and args.draft is None and args.profile is None:
         raise SpecDecodeError("check compares speculative with plain decoding: name a drafter "
                               "(--draft, --drafter or --profile)")
