@@ -95,6 +95,19 @@ def save_tiny(folder, kind: str = "llama", seed: int = 0, **overrides) -> str:
     return str(folder)
 
 
+def assert_verify_pass_equals_one_token_passes(model, ks) -> None:
+    """Batch invariance: for each k, k+1 tokens in one pass after 20 cached give bit-identical
+    logits to k+1 one-token passes."""
+    seq = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    for k in ks:
+        batched, single = model.new_cache(), model.new_cache()
+        model(seq[:, :20], batched)
+        model(seq[:, :20], single)
+        many = model(seq[:, 20:21 + k], batched).logits
+        ones = torch.cat([model(seq[:, i:i + 1], single).logits for i in range(20, 21 + k)], dim=1)
+        assert torch.equal(many, ones)
+
+
 def expected_kernel_kind() -> str | None:
     """The kernel build this machine must run: "amx" or "avx2", or None where the CPU lacks
     the instructions of both (or SPECDECODE_KERNEL=onednn turns the kernels off)."""

@@ -113,13 +113,20 @@ def add_speed(sub) -> None:
     p.set_defaults(func=run_speed_cmd)
 
 
+def _report(args, measure, formatted) -> int:
+    """Run `measure(log)` and print its result: one JSON object with --json (progress to
+    stderr then), else the formatted table."""
+    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
+    result = measure(log)
+    print(json.dumps(result) if args.json else formatted(result))
+    return 0
+
+
 def run_speed_cmd(args) -> int:
     from specdecode.commands.speed import format_speed, run_speed
 
-    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
-    result = run_speed(args.target, args.dtype, args.new_tokens, args.repeats, log=log)
-    print(json.dumps(result) if args.json else format_speed(result))
-    return 0
+    return _report(args, lambda log: run_speed(args.target, args.dtype, args.new_tokens, args.repeats, log=log),
+                   format_speed)
 
 
 def add_quality(sub) -> None:
@@ -139,10 +146,8 @@ def add_quality(sub) -> None:
 def run_quality_cmd(args) -> int:
     from specdecode.commands.quality import format_quality, run_quality
 
-    log = (lambda msg: print(msg, file=sys.stderr)) if args.json else print
-    result = run_quality(args.target, args.dtype, args.reference, args.tokens, args.chunk, log=log)
-    print(json.dumps(result) if args.json else format_quality(result))
-    return 0
+    return _report(args, lambda log: run_quality(args.target, args.dtype, args.reference, args.tokens, args.chunk,
+                                                 log=log), format_quality)
 
 
 def _csv(text: str) -> list[str]:

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdecode.models.native import NativeModel
-from tests.conftest import save_tiny
+from tests.conftest import assert_verify_pass_equals_one_token_passes, save_tiny
 
 PROMPT = [[3, 17, 42, 8, 91, 5, 23, 66, 12, 7, 50, 2]]
 
@@ -96,15 +96,7 @@ def test_rewind_and_compact_then_continue_equals_recompute(tiny_qwen2, dtype):
 
 def test_bf16_verify_pass_equals_one_token_passes(tiny_llama, bf16_path):
     """Batch invariance: k+1 tokens in one pass give bit-identical logits to k+1 single passes."""
-    model = NativeModel.from_folder(tiny_llama, torch.bfloat16)
-    seq = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
-    for k in (1, 3, 8):
-        batched, single = model.new_cache(), model.new_cache()
-        model(seq[:, :20], batched)
-        model(seq[:, :20], single)
-        many = model(seq[:, 20:21 + k], batched).logits
-        ones = torch.cat([model(seq[:, i:i + 1], single).logits for i in range(20, 21 + k)], dim=1)
-        assert torch.equal(many, ones)
+    assert_verify_pass_equals_one_token_passes(NativeModel.from_folder(tiny_llama, torch.bfloat16), (1, 3, 8))
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from specdecode.drafters import DraftModel, PromptLookup
 from specdecode.errors import SpecDecodeError
 from specdecode.models.native import NativeModel
 from specdecode.models.quant import KERNEL_TYPES, X8_BYTES, QuantLinear, QuantTensor, kernel_layout
+from tests.conftest import assert_verify_pass_equals_one_token_passes
 
 FP16_FIELDS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2)}  # byte offsets of scales
 
@@ -92,14 +93,7 @@ def test_quantize_refuses_rows_the_blocks_do_not_divide():
 def test_quantized_verify_pass_equals_one_token_passes(tiny_llama, quant, kernel_module):
     model = NativeModel.from_folder(tiny_llama, torch.bfloat16, quant)
     assert all(isinstance(m, QuantLinear) for layer in model.layers for m in layer.matrices)
-    seq = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(0))
-    for k in (1, 4, 9):
-        batched, single = model.new_cache(), model.new_cache()
-        model(seq[:, :20], batched)
-        model(seq[:, :20], single)
-        many = model(seq[:, 20:21 + k], batched).logits
-        ones = torch.cat([model(seq[:, i:i + 1], single).logits for i in range(20, 21 + k)], dim=1)
-        assert torch.equal(many, ones)
+    assert_verify_pass_equals_one_token_passes(model, (1, 4, 9))
 
 
 def test_quantized_greedy_speculation_is_identical_to_plain_decoding(tiny_llama, tiny_llama_other, kernel_module):
