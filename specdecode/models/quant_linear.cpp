@@ -25,6 +25,7 @@ namespace {
 constexpr int64_t QK_K = 256;  // values per K-quant block
 constexpr int64_t QK8_0 = 32;  // values per Q8_0 block
 constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied brought into L1
+constexpr int64_t TILE_ROWS = 64, TILE_BLOCKS = 16;  // a long pass's tile of inputs: 64 rows x 16 blocks
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20;
 constexpr int64_t Q4_K_X8_BYTES = 1216;  // eight rows' Q4_K blocks, repacked (Q4KX8)
 constexpr int64_t Q6_K_X8_BYTES = 1696;  // eight rows' Q6_K blocks, repacked (Q6KX8)
@@ -404,6 +405,46 @@ void rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, i
   }
 }
 
+// Long passes (a prompt's prefill): the rows' inputs of groups [g0, g1) of eight outputs
+// over blocks [b0, b1), for `mt` rows whose inputs `packed` holds as [block][group of
+// 32][row][32] (pack_rows), so that a group's inner loop reads them front to back, from
+// the first level of cache. A block's sums and their finishing are x8_rows_times'
+// operations in the same order, and the eight lanes carry over from the previous range of
+// blocks through `out` (fp32, exact), so a row's output stays bitwise what one row alone
+// gives. acc and sum: scratch of mt vectors each.
+template <typename Block>
+void x8_tile_times(const uint8_t* w, int64_t blocks, const Q8Row* x, const int8_t* packed, int64_t mt, int64_t b0,
+                   int64_t b1, int64_t g0, int64_t g1, float* out, int64_t ldo, __m256* acc, __m256i* sum) {
+  Block block;
+  for (int64_t group = g0; group < g1; ++group) {
+    for (int64_t m = 0; m < mt; ++m)
+      acc[m] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + 8 * group);
+    const uint8_t* base = w + group * blocks * Block::BYTES;
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* blk = base + b * Block::BYTES;
+      for (int line = 0; line < Block::BYTES; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + Block::BYTES + line), _MM_HINT_T0);
+      block.load(blk);
+      for (int64_t m = 0; m < mt; ++m) sum[m] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        block.unpack(g);
+        const int8_t* q = packed + ((b - b0) * 8 + g) * mt * 32;
+        for (int64_t m = 0; m < mt; ++m) sum[m] = _mm256_add_epi32(sum[m], block.dot(q + 32 * m));
+      }
+      for (int64_t m = 0; m < mt; ++m) block.finish(x[m], b, sum[m], acc[m]);
+    }
+    for (int64_t m = 0; m < mt; ++m) _mm256_storeu_ps(out + m * ldo + 8 * group, acc[m]);
+  }
+}
+
+// The inputs of rows x[0, mt) over blocks [b0, b1), as x8_tile_times reads them.
+void pack_rows(const Q8Row* x, int64_t mt, int64_t b0, int64_t b1, int8_t* packed) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int g = 0; g < 8; ++g)
+      for (int64_t m = 0; m < mt; ++m)
+        std::memcpy(packed + (((b - b0) * 8 + g) * mt + m) * 32, x[m].q.data() + b * QK_K + 32 * g, 32);
+}
+
 // A kernel for this many rows: one and two specialized (a decoding step, a short draft).
 template <typename Block, bool REPACKED>
 void rows_times_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t n0, int64_t n1, float* out,
@@ -419,6 +460,28 @@ void rows_times_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& 
       case 1: return rows_times<Block, 1>(w, blocks, x, n0, n1, out, ldo);
       case 2: return rows_times<Block, 2>(w, blocks, x, n0, n1, out, ldo);
       default: return rows_times<Block, 0>(w, blocks, x, n0, n1, out, ldo);
+    }
+  }
+}
+
+// A repacked part (groups of eight rows) times every row of x, tiled for passes over many
+// rows: TILE_ROWS rows' inputs over TILE_BLOCKS blocks (256 KB) stay in cache while every
+// group of weights goes by, so the weights are read once per TILE_ROWS rows.
+template <typename Block>
+void x8_tiled(const uint8_t* w, int64_t blocks, int64_t groups, const std::vector<Q8Row>& x, float* out, int64_t ldo) {
+  const int64_t M = static_cast<int64_t>(x.size());
+  std::vector<int8_t> packed(std::min(M, TILE_ROWS) * TILE_BLOCKS * QK_K);
+  for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+    const int64_t mt = std::min(TILE_ROWS, M - m0);
+    for (int64_t b0 = 0; b0 < blocks; b0 += TILE_BLOCKS) {
+      const int64_t b1 = std::min(blocks, b0 + TILE_BLOCKS);
+      pack_rows(x.data() + m0, mt, b0, b1, packed.data());
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        std::vector<__m256> acc(mt);
+        std::vector<__m256i> sum(mt);
+        x8_tile_times<Block>(w, blocks, x.data() + m0, packed.data(), mt, b0, b1, g0, g1, out + m0 * ldo, ldo,
+                             acc.data(), sum.data());
+      });
     }
   }
 }
@@ -469,7 +532,13 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     const uint8_t* w = p.data_ptr<uint8_t>();
     const int64_t blocks = p.size(1), bytes = p.size(2), n_rows = p.size(0);
     float* out = yp + first;
-    if (bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) {  // n_rows groups of eight
+    if ((bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) && M >= TILE_ROWS / 2) {  // n_rows groups of eight
+      if (bytes == Q4_K_X8_BYTES) x8_tiled<Q4KX8>(w, blocks, n_rows, x8k, out, N);
+      else x8_tiled<Q6KX8>(w, blocks, n_rows, x8k, out, N);
+      first += 8 * n_rows;
+      continue;
+    }
+    if (bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) {
       at::parallel_for(0, n_rows, 2, [&](int64_t g0, int64_t g1) {
         if (bytes == Q4_K_X8_BYTES) rows_times_any<Q4KX8, true>(w, blocks, x8k, g0, g1, out, N);
         else rows_times_any<Q6KX8, true>(w, blocks, x8k, g0, g1, out, N);
