@@ -97,6 +97,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 FUSED_MAX_ROWS = 128  # tokens per pass up to which the fused small ops run (layer_ops.py)
 ROWS_APART_MAX = 64  # rows per pass up to which torch's bf16 attention takes one row per batch element (_attend)
+PREFILL_CHUNK = 512  # tokens per pass of a long causal pass (a prompt's prefill): bounds its memory
 
 
 def key_slots(end: int, max_len: int) -> int:
@@ -267,6 +268,8 @@ class NativeModel:
         cache.check_room(T)
         if positions is None:
             positions = torch.arange(start, start + T)
+        if mask is None and T > PREFILL_CHUNK:
+            return self._in_chunks(tokens, cache, positions, hidden_layers, num_logits)
         cos, sin = self._rope(positions)  # (T, hd) or (B, T, hd)
         group = c.num_heads // c.num_kv_heads
         # The fused ops are single-threaded loops, made for decoding's few rows; a prefill's
@@ -312,9 +315,29 @@ class NativeModel:
             hidden[c.num_layers] = x
         if num_logits is not None:
             x = x[:, T - num_logits:]
+        if x.shape[1] == 0:  # no logits asked for (a chunk of a long pass): skip the vocabulary product
+            return ForwardOutput(torch.zeros(B, 0, self.vocab_size), hidden)
         return ForwardOutput(self.lm_head(x).float(), hidden)
 
     __call__ = forward
+
+    def _in_chunks(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor,
+                   hidden_layers: Sequence[int], num_logits: int | None) -> ForwardOutput:
+        """A long causal pass as passes of PREFILL_CHUNK tokens, one after another over the
+        cache: its activations and attention masks stay the size of one chunk, whatever the
+        prompt's length. Logits are kept for the chunks holding the last num_logits rows."""
+        T = tokens.shape[1]
+        first_logit = 0 if num_logits is None else T - num_logits
+        logits, hidden = [], {}
+        for s in range(0, T, PREFILL_CHUNK):
+            e = min(T, s + PREFILL_CHUNK)
+            wanted = None if first_logit <= s else max(0, e - first_logit)
+            out = self.forward(tokens[:, s:e], cache, positions[..., s:e], None, hidden_layers, wanted)
+            if wanted != 0:
+                logits.append(out.logits)
+            for layer, h in out.hidden_states.items():
+                hidden.setdefault(layer, []).append(h)
+        return ForwardOutput(torch.cat(logits, dim=1), {layer: torch.cat(h, dim=1) for layer, h in hidden.items()})
 
     @staticmethod
     def _allowed(mask: torch.Tensor | None, T: int, start: int) -> torch.Tensor | None:

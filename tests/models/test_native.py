@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdecode.models.native import NativeModel
-from tests.conftest import assert_verify_pass_equals_one_token_passes, save_tiny
+from tests.conftest import assert_verify_pass_equals_one_token_passes, require_kernel, save_tiny
 
 PROMPT = [[3, 17, 42, 8, 91, 5, 23, 66, 12, 7, 50, 2]]
 
@@ -63,6 +63,41 @@ def test_tiny_llama3_rope_scaling_matches_transformers(tmp_path):
 @pytest.mark.real
 def test_smollm2_matches_transformers(smollm2_folder):
     check_against_transformers(smollm2_folder, [[1, 504, 3154, 314, 216, 1345, 28, 49, 30, 9427, 282, 1250]])
+
+
+def test_a_long_pass_in_chunks_matches_transformers(tiny_llama, monkeypatch):
+    """A prompt longer than a chunk runs as passes of PREFILL_CHUNK tokens over the cache:
+    every row's logits and hidden states still match transformers' one pass."""
+    from specdecode.models import native
+
+    monkeypatch.setattr(native, "PREFILL_CHUNK", 16)
+    check_against_transformers(tiny_llama, [[(7 * i) % 97 + 1 for i in range(53)]])  # four chunks, the last short
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    ids = torch.tensor([[(5 * i) % 89 + 1 for i in range(40)]])
+    all_rows = model(ids, model.new_cache()).logits
+    for wanted in (1, 3, 30):  # logits of the last rows only, across chunk borders (fp32 products
+        # round by row count, slightly)
+        last = model(ids, model.new_cache(), num_logits=wanted).logits
+        assert last.shape[1] == wanted and torch.allclose(last, all_rows[:, -wanted:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("quant", [None, "q8_0"])
+def test_greedy_speculation_after_a_chunked_prefill_is_plain_decoding(tiny_llama, quant, monkeypatch):
+    from specdecode.core.engine import decode
+    from specdecode.core.events import collect
+    from specdecode.core.stopping import StopCondition
+    from specdecode.drafters import PromptLookup
+    from specdecode.models import native
+
+    if quant is not None:
+        require_kernel()
+    monkeypatch.setattr(native, "PREFILL_CHUNK", 16)
+    model = NativeModel.from_folder(tiny_llama, torch.bfloat16, quant)
+    prompt = [(3 * i) % 23 + 2 for i in range(70)]  # repetitive: prompt lookup finds matches
+    stop = StopCondition(max_new_tokens=30)
+    plain, _ = collect(decode(model, prompt, stop))
+    for k in (2, 6):
+        assert collect(decode(model, prompt, stop, drafter=PromptLookup(), k=k))[0] == plain
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
