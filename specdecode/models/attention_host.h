@@ -55,7 +55,7 @@ torch::Tensor cache_attention_with(AttendGroup attend_group, int64_t lanes, torc
   // one unit = one (batch row, token, kv head): the query heads of a group share its keys
   at::parallel_for(0, B * T * num_kv_heads, 1, [&](int64_t u0, int64_t u1) {
     std::vector<int64_t> slots;
-    std::vector<float> scores(S), acc(hd);
+    std::vector<float> scores(group * S), acc(2 * group * hd);  // room for every head of the group
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t b = u / (T * num_kv_heads), t = u / num_kv_heads % T, kv_head = u % num_kv_heads;
       slots.clear();

@@ -1,11 +1,16 @@
 // Attention for decoding and verification passes, bf16, eight lanes wide for CPUs with
 // AVX2 and no AVX-512. Why this kernel and not torch's, and the numerics: attention.cpp;
 // the host side (cache writes, each row's allowed slots, threads) is attention_host.h.
-// Here q . k multiplies the bf16 values converted to fp32 (no VDPBF16PS), 8 lanes at a time.
+// Here q . k multiplies the bf16 values converted to fp32 (no VDPBF16PS), 8 lanes at a time,
+// as two halves: a 256-bit load of 16 bf16 gives the even-indexed values by a shift and
+// the odd ones by a mask, so converting costs one instruction per 8 values. The query
+// heads of a group go together, up to six: each key and value row is read and converted
+// once for all of them, which is what decoding over a long cache costs.
 #include <torch/extension.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "attention_host.h"
@@ -13,80 +18,128 @@
 
 namespace {
 
-// q . k over hd (a multiple of 8): products in fp32, summed in 8 lanes over d in order, then
-// the lanes; the same instructions for every key.
-inline float dot_bf16(const float* q, const bf16* k, int64_t hd) {
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t d = 0; d < hd; d += 8) sum = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), avx2::load_bf16(k + d), sum);
-  return avx2::reduce_add(sum);
+constexpr int MAX_HEADS = 6;  // query heads of a group handled together (their accumulators fill the registers)
+
+// 16 bf16 (one load) -> fp32 values 2i in `even` and 2i + 1 in `odd` (lane i), exact: each
+// 32-bit lane holds the pair, the first in its low half.
+inline void load_bf16_pairs(const bf16* p, __m256& even, __m256& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// acc[8 c0 .. 8 (c0 + n)) = inv_sum * sum_j p_j v_{slots[j]}, n <= 8 chunks of 8, each
-// dimension summed over j in order; the accumulators stay in registers.
-template <int N>
-inline void weighted_sum_n(const float* p, const bf16* values, const std::vector<int64_t>& slots, int64_t hd,
-                           int64_t c0, float inv_sum, float* acc) {
-  __m256 a[N];
-  for (int c = 0; c < N; ++c) a[c] = _mm256_setzero_ps();
-  const int64_t m = static_cast<int64_t>(slots.size());
-  for (int64_t j = 0; j < m; ++j) {
-    const bf16* v = values + slots[j] * hd + 8 * c0;
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int c = 0; c < N; ++c) a[c] = _mm256_fmadd_ps(pj, avx2::load_bf16(v + 8 * c), a[c]);
-  }
-  for (int c = 0; c < N; ++c) _mm256_storeu_ps(acc + 8 * (c0 + c), _mm256_mul_ps(a[c], _mm256_set1_ps(inv_sum)));
-}
-
-inline void weighted_sum(const float* p, const bf16* values, const std::vector<int64_t>& slots, int64_t hd,
-                         int64_t c0, int64_t n, float inv_sum, float* acc) {
-  switch (n) {
-    case 1: return weighted_sum_n<1>(p, values, slots, hd, c0, inv_sum, acc);
-    case 2: return weighted_sum_n<2>(p, values, slots, hd, c0, inv_sum, acc);
-    case 3: return weighted_sum_n<3>(p, values, slots, hd, c0, inv_sum, acc);
-    case 4: return weighted_sum_n<4>(p, values, slots, hd, c0, inv_sum, acc);
-    case 5: return weighted_sum_n<5>(p, values, slots, hd, c0, inv_sum, acc);
-    case 6: return weighted_sum_n<6>(p, values, slots, hd, c0, inv_sum, acc);
-    case 7: return weighted_sum_n<7>(p, values, slots, hd, c0, inv_sum, acc);
-    default: return weighted_sum_n<8>(p, values, slots, hd, c0, inv_sum, acc);
-  }
-}
-
-// The query heads of one group, for one token, over its allowed keys `slots` (ascending).
-// As attention.cpp's attend_group; scores (m) and acc (hd) are scratch.
-void attend_group(const bf16* q, int64_t stride, int64_t group, const bf16* keys, const bf16* values,
-                  const std::vector<int64_t>& slots, int64_t hd, float scale, float* scores, float* acc,
-                  bf16* out, int64_t stride_out) {
-  const int64_t m = static_cast<int64_t>(slots.size()), chunks = hd / 8;
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t d = 0; d < hd; ++d) acc[d] = static_cast<float>(q[g * stride + d]);  // q in fp32, once
-    float top = -INFINITY;
-    for (int64_t i = 0; i < m; ++i) {
-      scores[i] = dot_bf16(acc, keys + slots[i] * hd, hd) * scale;
-      top = std::max(top, scores[i]);
+// scores[h * stride + i] = scale * (q_h . k_{slots[i]}) for H heads, each key read and
+// converted once for all of them. qs: per head, per 16 values, the 8 even then the 8 odd
+// ones in fp32. Each dot: even and odd products summed over the chunks in order, then
+// added and summed across lanes, the same instructions for every key and head.
+template <int H>
+void head_scores(const float* qs, const bf16* keys, const int64_t* slots, int64_t m, int64_t hd, float scale,
+                 float* scores, int64_t stride) {
+  for (int64_t i = 0; i < m; ++i) {
+    const bf16* k = keys + slots[i] * hd;
+    __m256 e[H], o[H];
+    for (int h = 0; h < H; ++h) e[h] = o[h] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < hd; c += 16) {
+      __m256 ke, ko;
+      load_bf16_pairs(k + c, ke, ko);
+      for (int h = 0; h < H; ++h) {
+        e[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + c), ke, e[h]);
+        o[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + c + 8), ko, o[h]);
+      }
     }
-    // p_i = exp(s_i - top) in place; their sum in 8 lanes over the dense list, then the lanes
+    for (int h = 0; h < H; ++h) scores[h * stride + i] = avx2::reduce_add(_mm256_add_ps(e[h], o[h])) * scale;
+  }
+}
+
+// acc[h * hd + ...] = inv_sum[h] * sum_j p[h * stride + j] v_{slots[j]} for H heads, 16
+// values at a time (as even and odd lanes, qs's layout), each value summed over j in
+// order; a value row is read and converted once for all the heads.
+template <int H>
+void head_sums(const float* p, int64_t stride, const bf16* values, const int64_t* slots, int64_t m, int64_t hd,
+               const float* inv_sum, float* acc) {
+  for (int64_t c = 0; c < hd; c += 16) {
+    __m256 e[H], o[H];
+    for (int h = 0; h < H; ++h) e[h] = o[h] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < m; ++j) {
+      __m256 ve, vo;
+      load_bf16_pairs(values + slots[j] * hd + c, ve, vo);
+      for (int h = 0; h < H; ++h) {
+        const __m256 pj = _mm256_broadcast_ss(p + h * stride + j);
+        e[h] = _mm256_fmadd_ps(pj, ve, e[h]);
+        o[h] = _mm256_fmadd_ps(pj, vo, o[h]);
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      _mm256_storeu_ps(acc + h * hd + c, _mm256_mul_ps(e[h], _mm256_set1_ps(inv_sum[h])));
+      _mm256_storeu_ps(acc + h * hd + c + 8, _mm256_mul_ps(o[h], _mm256_set1_ps(inv_sum[h])));
+    }
+  }
+}
+
+template <int H>
+void attend_heads(const float* qs, const bf16* keys, const bf16* values, const int64_t* slots, int64_t m,
+                  int64_t hd, float scale, float* scores, int64_t stride, float* acc) {
+  head_scores<H>(qs, keys, slots, m, hd, scale, scores, stride);
+  float inv_sum[H];
+  for (int h = 0; h < H; ++h) {  // p_i = exp(s_i - max s) in place; their sum in 8 lanes, then the lanes
+    float* s = scores + h * stride;
+    float top = -INFINITY;
+    for (int64_t i = 0; i < m; ++i) top = std::max(top, s[i]);
     __m256 lanes = _mm256_setzero_ps();
     for (int64_t i = 0; i < m; i += 8) {
       const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(m - i, 8))),
                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      const __m256 s = _mm256_maskload_ps(scores + i, live);
-      const __m256 p = _mm256_and_ps(avx2::exp_nonpositive(_mm256_sub_ps(s, _mm256_set1_ps(top))),
+      const __m256 x = _mm256_maskload_ps(s + i, live);
+      const __m256 e = _mm256_and_ps(avx2::exp_nonpositive(_mm256_sub_ps(x, _mm256_set1_ps(top))),
                                      _mm256_castsi256_ps(live));
-      _mm256_maskstore_ps(scores + i, live, p);
-      lanes = _mm256_add_ps(lanes, p);
+      _mm256_maskstore_ps(s + i, live, e);
+      lanes = _mm256_add_ps(lanes, e);
     }
-    const float inv_sum = 1.0f / avx2::reduce_add(lanes);
-    // out = sum p_j v_j over j in order, hd / 8 dimensions at a time in registers
-    for (int64_t c0 = 0; c0 < chunks; c0 += 8)
-      weighted_sum(scores, values, slots, hd, c0, std::min<int64_t>(8, chunks - c0), inv_sum, acc);
-    bf16* o = out + g * stride_out;
-    for (int64_t d = 0; d < hd; ++d) o[d] = bf16(acc[d]);
+    inv_sum[h] = 1.0f / avx2::reduce_add(lanes);
   }
+  head_sums<H>(scores, stride, values, slots, m, hd, inv_sum, acc);
+}
+
+// The query heads of one group, for one token, over its allowed keys `slots` (ascending).
+// As attention.cpp's attend_group, up to MAX_HEADS heads at a time; scores (group x m) and
+// acc (2 group x hd) are scratch.
+void attend_group(const bf16* q, int64_t stride, int64_t group, const bf16* keys, const bf16* values,
+                  const std::vector<int64_t>& slots, int64_t hd, float scale, float* scores, float* acc,
+                  bf16* out, int64_t stride_out) {
+  const int64_t m = static_cast<int64_t>(slots.size());
+  float* qs = acc + group * hd;  // q in fp32, even and odd values apart per 16 (head_scores)
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < hd; c += 16)
+      for (int i = 0; i < 8; ++i) {
+        qs[g * hd + c + i] = static_cast<float>(q[g * stride + c + 2 * i]);
+        qs[g * hd + c + 8 + i] = static_cast<float>(q[g * stride + c + 2 * i + 1]);
+      }
+  for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
+    const int64_t n = std::min<int64_t>(MAX_HEADS, group - g0);
+    auto run = [&](auto heads) {
+      attend_heads<decltype(heads)::value>(qs + g0 * hd, keys, values, slots.data(), m, hd, scale, scores, m,
+                                           acc + g0 * hd);
+    };
+    switch (n) {
+      case 1: run(std::integral_constant<int, 1>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 4: run(std::integral_constant<int, 4>()); break;
+      case 5: run(std::integral_constant<int, 5>()); break;
+      default: run(std::integral_constant<int, 6>()); break;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)  // back from even and odd lanes to the values' order, rounded once
+    for (int64_t c = 0; c < hd; c += 16)
+      for (int i = 0; i < 8; ++i) {
+        out[g * stride_out + c + 2 * i] = bf16(acc[g * hd + c + i]);
+        out[g * stride_out + c + 2 * i + 1] = bf16(acc[g * hd + c + 8 + i]);
+      }
 }
 
 }  // namespace
 
 torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values, int64_t start,
                               torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads) {
-  return cache_attention_with(attend_group, 8, qkv, keys, values, start, allowed, num_heads, num_kv_heads);
+  return cache_attention_with(attend_group, 16, qkv, keys, values, start, allowed, num_heads, num_kv_heads);
 }
