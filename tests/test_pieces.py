@@ -26,6 +26,26 @@ def test_prompt_lookup_falls_back_to_shorter_ngrams_and_to_nothing():
         PromptLookup(max_ngram=1, min_ngram=2)
 
 
+def scanned_lookup(context: list[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup by scanning the whole context, as the definition reads."""
+    for n in range(min(max_ngram, len(context) - 1), min_ngram - 1, -1):
+        starts = [s for s in range(len(context) - n) if context[s:s + n] == context[-n:]]
+        if starts:
+            return context[starts[-1] + n:starts[-1] + n + k]
+    return []
+
+
+def test_prompt_lookup_index_follows_a_growing_context_as_a_scan_would():
+    rng = random.Random(0)
+    lookup = PromptLookup(max_ngram=4, min_ngram=2)
+    for generation in range(3):  # a new context each time: the index starts over by itself
+        context = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+        for _ in range(150):
+            k = rng.randrange(1, 9)
+            assert lookup.propose(context, k).tokens.tolist() == scanned_lookup(context, k, 4, 2)
+            context = context + [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+
+
 def test_stats_rates_and_positions():
     stats = Stats(new_tokens=1)  # the prefill's token
     stats.add_round(num_drafted=4, num_accepted=4, num_emitted=5, draft_s=0, verify_s=0)

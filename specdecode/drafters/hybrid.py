@@ -46,6 +46,7 @@ class LookupOrModel(Drafter):
 
     def reset(self) -> None:
         """A new generation: a fresh policy for the draft model, nothing pending."""
+        self.lookup.reset()
         self.policy = FixedK(self.model_k) if isinstance(self.model_k, int) else self.model_k.fresh()
         self.pending: tuple[int, list[int]] | None = None  # (context length, tokens) of the last model draft
 

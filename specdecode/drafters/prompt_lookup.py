@@ -1,6 +1,10 @@
 """Prompt lookup: propose the tokens that followed the latest earlier occurrence of the
-context's last n tokens (n from max_ngram down to min_ngram). No model, no cost beyond a
-scan of the context; it pays on copy-heavy tasks (code edits, summaries with quotes).
+context's last n tokens (n from max_ngram down to min_ngram). No model; it pays on
+copy-heavy tasks (code edits, summaries with quotes, answers from retrieved passages).
+
+Long prompts are where it pays most, so a round must not scan the context: an index maps
+every n-gram to where it last started, and takes in only the tokens added since the last
+round (`NgramIndex`). A round costs a few dictionary lookups whatever the context's length.
 
 Its proposals are deterministic, so the engine verifies them against a one-hot draft
 distribution, which keeps sampling exact.
@@ -16,6 +20,40 @@ from specdecode.errors import SpecDecodeError
 from specdecode.drafters.base import Drafter, Proposal
 
 
+class NgramIndex:
+    """For each n in [min_n, max_n]: n-gram -> start of its latest occurrence that ends
+    before the context's last token (the context's own suffix does not count as earlier)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.sizes = range(min_n, max_n + 1)
+        self.tokens: list[int] = []  # the context indexed so far
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+
+    def update(self, context: Sequence[int]) -> None:
+        """Take in the tokens added since the last call; start over if the context is not
+        the one indexed plus new tokens (a new generation)."""
+        seen = len(self.tokens)
+        if len(context) < seen or list(context[:seen]) != self.tokens:
+            self.__init__(self.sizes.start, self.sizes.stop - 1)
+            seen = 0
+        self.tokens.extend(context[seen:])
+        t = self.tokens
+        # n-grams ending at positions [seen - 1, len - 2]: the old last token now has a successor
+        for end in range(max(0, seen - 1), len(t) - 1):
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self.latest[n][tuple(t[end + 1 - n:end + 1])] = end + 1 - n
+
+    def continuation(self, k: int, max_n: int) -> list[int]:
+        """Up to k tokens after the latest earlier occurrence of the longest suffix (n <= max_n) found."""
+        t = self.tokens
+        for n in range(min(max_n, len(t) - 1), self.sizes.start - 1, -1):
+            start = self.latest[n].get(tuple(t[-n:]))
+            if start is not None:
+                return t[start + n:start + n + k]
+        return []
+
+
 class PromptLookup(Drafter):
     name = "prompt-lookup"
 
@@ -23,14 +61,11 @@ class PromptLookup(Drafter):
         if not 1 <= min_ngram <= max_ngram:
             raise SpecDecodeError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.index = NgramIndex(min_ngram, max_ngram)
+
+    def reset(self) -> None:
+        self.index = NgramIndex(self.min_ngram, self.max_ngram)
 
     def propose(self, context: Sequence[int], k: int, sampling=None, generator=None) -> Proposal:
-        ctx = torch.as_tensor(list(context), dtype=torch.long)
-        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
-            suffix = ctx[-n:]
-            windows = ctx[:-1].unfold(0, n, 1)  # (L-n, n): every earlier n-gram
-            starts = (windows == suffix).all(dim=1).nonzero().flatten()
-            if starts.numel():
-                begin = int(starts[-1]) + n  # the latest match, whose continuation is freshest
-                return Proposal(ctx[begin:begin + k])
-        return Proposal(ctx[:0])
+        self.index.update(context)
+        return Proposal(torch.tensor(self.index.continuation(k, self.max_ngram), dtype=torch.long))
