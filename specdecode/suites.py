@@ -23,6 +23,17 @@ measures per category, on these suites (`load_suite(name)`, deterministic order)
 - `translation`: 12 hand-written sentences or short paragraphs, English to and from
   French, German and Spanish.
 
+Three more suites hold long prompts (about 600 to 1,600 tokens), where prefill weighs most
+and copying from the prompt pays most; `bench` runs them when asked (`LONG_SUITES`):
+
+- `summarization-long`: six whole module docstrings of the standard library, 400 to 900
+  words each, to summarize in a paragraph.
+- `retrieval-qa`: four sets of standard-library docstrings given as numbered passages
+  (600 to 800 words), and a question that one of them answers, as retrieval-augmented
+  generation asks it.
+- `code-edit-long`: six standard-library functions and methods of 60 to 190 lines, each
+  with an edit that leaves most of the code as it is.
+
 `load_prompt_file(path)` reads the question format of Spec-Bench and MT-bench (JSONL:
 `question_id`, `category`, `turns`), so their question sets can be run as they are;
 `conversation(question, answers)` builds the messages of the next turn the way MT-bench
@@ -60,6 +71,7 @@ class Question:
 
 
 SUITES: tuple[str, ...] = ("code-completion", "code-edit", "chat", "summarization", "math", "translation")
+LONG_SUITES: tuple[str, ...] = ("summarization-long", "retrieval-qa", "code-edit-long")
 
 # --- code-completion: HumanEval --------------------------------------------------------
 
@@ -161,13 +173,13 @@ def _resolve(dotted: str):
     raise ImportError(dotted)
 
 
-def stdlib_source(dotted: str) -> str | None:
+def stdlib_source(dotted: str, max_lines: int = CODE_EDIT_MAX_LINES) -> str | None:
     """The dedented source of a standard-library function, or None if it cannot be used."""
     try:
         source = textwrap.dedent(inspect.getsource(_resolve(dotted)))
     except (ImportError, AttributeError, OSError, TypeError):
         return None
-    if "def " not in source or len(source.splitlines()) > CODE_EDIT_MAX_LINES:
+    if "def " not in source or len(source.splitlines()) > max_lines:
         return None
     return source if source.endswith("\n") else source + "\n"
 
@@ -256,6 +268,85 @@ def _summarization() -> list[Question]:
     return questions
 
 
+# --- long prompts: whole documents, retrieved passages, long functions -------------------
+
+LONG_SUMMARY_MODULES: tuple[str, ...] = ("socketserver", "re", "wave", "shelve", "statistics", "pdb")
+LONG_SUMMARY_WORDS = 900
+LONG_SUMMARY_TEMPLATE = ("Below is the documentation of Python's `{module}` module. Summarize it in one paragraph "
+                         "of four or five sentences, naming its main classes or functions.\n\n{text}")
+
+
+def _summarization_long() -> list[Question]:
+    questions = []
+    for module in LONG_SUMMARY_MODULES:
+        doc = module_docstring(module)
+        if doc:
+            prompt = LONG_SUMMARY_TEMPLATE.format(module=module, text=truncate_words(doc, LONG_SUMMARY_WORDS))
+            questions.append(Question(f"summarization-long/{module}", "summarization-long", (prompt,)))
+    if not questions:
+        raise SpecDecodeError("the summarization-long suite needs the standard library's module docstrings, "
+                              "and none could be read")
+    return questions
+
+
+# (the documented objects given as passages, the question one of them answers)
+RETRIEVAL: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("shutil.copy2", "shutil.copytree", "shutil.rmtree", "shutil.move", "shutil.disk_usage", "shutil.which"),
+     "What does copytree do with symbolic links in the source tree by default, and which argument changes that?"),
+    (("subprocess.Popen", "subprocess.run", "subprocess.check_output"),
+     "What happens when run is called with check=True and the command exits with a non-zero status?"),
+    (("json.dump", "json.dumps", "json.loads"),
+     "How can a caller get json.dumps output with the keys sorted and nested objects indented?"),
+    (("os.makedirs", "os.replace", "os.walk", "os.scandir", "shutil.which"),
+     "How can a caller of os.walk prune the directories it visits, and in which mode does that work?"),
+)
+RETRIEVAL_TEMPLATE = ("Answer the question using only the passages below, and cite the number of the passage "
+                      "you use.\n\n{passages}\n\nQuestion: {question}")
+
+
+def _retrieval_qa() -> list[Question]:
+    questions = []
+    for i, (names, question) in enumerate(RETRIEVAL, 1):
+        docs = [(name, inspect.getdoc(_resolve(name))) for name in names]
+        passages = "\n\n".join(f"[{n}] {name}\n{doc}" for n, (name, doc) in enumerate(docs, 1) if doc)
+        prompt = RETRIEVAL_TEMPLATE.format(passages=passages, question=question)
+        questions.append(Question(f"retrieval-qa/{i:02d}", "retrieval-qa", (prompt,)))
+    return questions
+
+
+CODE_EDITS_LONG: tuple[tuple[str, str], ...] = (
+    ("textwrap.TextWrapper._wrap_chunks",
+     "Rename the local variables `cur_line` to `current_line` and `cur_len` to `current_length` everywhere. "
+     "Change nothing else and return the complete method."),
+    ("difflib.SequenceMatcher.find_longest_match",
+     "Rename `besti`, `bestj` and `bestsize` to `best_i`, `best_j` and `best_size` everywhere, including the "
+     "docstring. Change nothing else and return the complete method."),
+    ("configparser.RawConfigParser._read",
+     "Add a short comment before each branch of the main loop saying what kind of line it handles; do not "
+     "change the code. Return the complete method."),
+    ("json.encoder._make_iterencode",
+     "Add type hints to the inner functions `_iterencode_list`, `_iterencode_dict` and `_iterencode`, and "
+     "change nothing else. Return the complete function."),
+    ("fractions.Fraction.__new__",
+     "Add a comment at the start of each branch saying which kind of input it handles; do not change the code. "
+     "Return the complete method."),
+    ("heapq.merge",
+     "Rename the local variables `h` to `heap` and `h_append` to `heap_append` everywhere and add type hints to "
+     "the signature. Return the complete function."),
+)
+CODE_EDIT_LONG_MAX_LINES = 200
+
+
+def _code_edit_long() -> list[Question]:
+    questions = []
+    for dotted, instruction in CODE_EDITS_LONG:
+        source = stdlib_source(dotted, CODE_EDIT_LONG_MAX_LINES)
+        if source is not None:
+            prompt = CODE_EDIT_TEMPLATE.format(instruction=instruction, source=source)
+            questions.append(Question(f"code-edit-long/{dotted}", "code-edit-long", (prompt,)))
+    return questions
+
+
 # --- math ------------------------------------------------------------------------------
 
 MATH: tuple[tuple[str, float], ...] = (
@@ -333,6 +424,9 @@ _BUILDERS = {
     "math": lambda: _numbered("math", ((MATH_TEMPLATE.format(problem=p),) for p, _ in MATH)),
     "translation": lambda: _numbered("translation", (
         (TRANSLATION_TEMPLATE.format(source=s, target=t, text=x),) for s, t, x in TRANSLATION)),
+    "summarization-long": _summarization_long,
+    "retrieval-qa": _retrieval_qa,
+    "code-edit-long": _code_edit_long,
 }
 
 
@@ -344,7 +438,7 @@ def _suite(name: str) -> tuple[Question, ...]:
 def load_suite(name: str, limit: int | None = None) -> list[Question]:
     """The questions of a built-in suite (see SUITES), in a fixed order; the first `limit` if given."""
     if name not in _BUILDERS:
-        raise SpecDecodeError(f"{name!r} is not a known task suite; known suites: {', '.join(SUITES)}")
+        raise SpecDecodeError(f"{name!r} is not a known task suite; known suites: {', '.join(SUITES + LONG_SUITES)}")
     if limit is not None and limit < 1:
         raise SpecDecodeError(f"limit must be at least 1, got {limit}")
     questions = list(_suite(name))

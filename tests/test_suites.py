@@ -10,7 +10,7 @@ import pytest
 
 from specdecode.errors import SpecDecodeError
 from specdecode.suites import (
-    CODE_EDITS, MATH_ANSWERS, SUITES, Question, conversation, load_prompt_file, load_suite, truncate_words,
+    CODE_EDITS, CODE_EDITS_LONG, LONG_SUITES, MATH_ANSWERS, RETRIEVAL, SUITES, Question, conversation, load_prompt_file, load_suite, truncate_words,
 )
 
 
@@ -25,8 +25,30 @@ def test_every_suite_has_ten_distinct_nonempty_questions(name):
     assert load_suite(name) == questions  # deterministic
 
 
+@pytest.mark.parametrize("name", LONG_SUITES)
+def test_long_suites_hold_long_distinct_prompts(name):
+    questions = load_suite(name)
+    assert len(questions) >= 4 and all(q.category == name and len(q.turns) == 1 for q in questions)
+    assert len({q.turns for q in questions}) == len(questions)
+    assert all(len(q.turns[0]) >= 2400 for q in questions)  # about 600 tokens and more
+
+
+def test_long_code_edits_and_passages_are_the_real_stdlib_text():
+    import inspect
+    import textwrap
+
+    edits = load_suite("code-edit-long")
+    assert len(edits) == len(CODE_EDITS_LONG)  # every listed function is readable here
+    wrap = next(q for q in edits if q.question_id.endswith("_wrap_chunks")).turns[0]
+    assert textwrap.dedent(inspect.getsource(textwrap.TextWrapper._wrap_chunks)) in wrap
+    passages = load_suite("retrieval-qa")
+    assert len(passages) == len(RETRIEVAL)
+    assert "[2] shutil.copytree\n" + inspect.getdoc(__import__("shutil").copytree) in passages[0].turns[0]
+    assert passages[0].turns[0].endswith("Question: " + RETRIEVAL[0][1])
+
+
 def test_ids_are_unique_across_suites():
-    ids = [q.question_id for name in SUITES for q in load_suite(name)]
+    ids = [q.question_id for name in SUITES + LONG_SUITES for q in load_suite(name)]
     assert len(set(ids)) == len(ids)
 
 

@@ -17,7 +17,7 @@ from specdecode.commands import models as cli_models
 from specdecode.errors import SpecDecodeError
 from specdecode.options import (BENCH_METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS, DTYPE_HELP, HYBRID, TUNABLE,
                                 check_request)
-from specdecode.suites import SUITES, load_prompt_file, load_suite
+from specdecode.suites import LONG_SUITES, SUITES, load_prompt_file, load_suite
 
 ACCEPTED_STYLE = ("\033[32m", "\033[0m")  # drafted-and-accepted tokens in green
 
@@ -109,6 +109,9 @@ def add_speed(sub) -> None:
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per timed run (default: 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per backend; the median is kept (default: 3)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="time a prompt of this many tokens of standard-library source: its prefill rate and the "
+                        "decoding rate after it (default: a short built-in prompt)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run_speed_cmd)
 
@@ -125,7 +128,8 @@ def _report(args, measure, formatted) -> int:
 def run_speed_cmd(args) -> int:
     from specdecode.commands.speed import format_speed, run_speed
 
-    return _report(args, lambda log: run_speed(args.target, args.dtype, args.new_tokens, args.repeats, log=log),
+    return _report(args, lambda log: run_speed(args.target, args.dtype, args.new_tokens, args.repeats, log=log,
+                                                  prompt_tokens=args.prompt_tokens),
                    format_speed)
 
 
@@ -155,7 +159,8 @@ def _csv(text: str) -> list[str]:
 
 
 def add_questions_args(p: argparse.ArgumentParser, default_limit: int) -> None:
-    p.add_argument("--suites", type=_csv, default=list(SUITES), help=f"categories (default: {','.join(SUITES)})")
+    p.add_argument("--suites", type=_csv, default=list(SUITES),
+                   help=f"categories (default: {','.join(SUITES)}; long prompts: {','.join(LONG_SUITES)})")
     p.add_argument("--prompts", help="a Spec-Bench / MT-bench question file (JSONL) instead of the suites")
     p.add_argument("--limit", type=int, default=default_limit, help="prompts per category")
 
