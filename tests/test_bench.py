@@ -24,7 +24,7 @@ def test_bench_writes_rows_report_and_plots(tmp_path):
     profile.decide("code-edit", {"draft-model": 0.5, "prompt-lookup": 0.7})
     result = run_bench(questions, "smollm2-135m-instruct", "smollm2-135m-instruct",
                        ("prompt-lookup", "tuned", "medusa", "draft-tree"), lookup_k=3, max_new_tokens=8, repeats=1,
-                       peers=False, profile=profile, log=lambda _: None, tree_widths=((2, 1),))
+                       peers=False, profile=profile, log=lambda _: None, tree_widths=((2, 1),), llama_cpp=False)
     assert result["prompts"] == 3  # the second question's two turns are two prompts
     rows = {(r["category"], r["method"]): r for r in result["rows"]}
     methods = ("plain", "prompt-lookup", "tuned", "medusa", "draft-tree 2x1")
@@ -33,7 +33,7 @@ def test_bench_writes_rows_report_and_plots(tmp_path):
     assert rows["chat", "tuned"]["time_split"]["draft"] > 10 * rows["code-edit", "tuned"]["time_split"]["draft"]
     for row in result["rows"]:
         assert row["identical_to_plain"] is True
-        assert row["speedup"] > 0 and row["tokens_per_s"] > 0
+        assert row["speedup"] > 0 and row["tokens_per_s"] > 0 and row["time_to_first_token_s"] > 0
         assert {"acceptance_rate", "mean_accepted_length", "acceptance_by_position", "time_split"} <= set(row)
     assert rows["chat", "plain"]["speedup"] == pytest.approx(1.0)
     assert result["target_sha256"] and result["target_bytes"] > 0
@@ -56,6 +56,7 @@ def test_sampled_bench_runs_the_peers_sampling_too():
     # sampled runs draw other random numbers than plain decoding: identity is not asked of them
     assert all(r["identical_to_plain"] is None for r in result["rows"])
     assert rows["prompt-lookup"]["acceptance_rate"] is not None and rows["transformers plain"]["speedup"] > 0
+    assert all(r["time_to_first_token_s"] > 0 for r in result["rows"])  # the peers' first tokens too
 
 
 def test_verdict_compares_tuned_with_the_best_peer_and_the_theory():

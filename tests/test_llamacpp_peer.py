@@ -28,7 +28,18 @@ def test_the_peer_decodes_greedily_on_the_targets_gguf_to_the_budget(smollm2_fol
     assert [name for name, _, _ in runs] == ["llama.cpp plain", "llama.cpp prompt-lookup"]
     prompt = [1, 504, 3303, 282, 253, 1345, 30, 198]
     outputs = [run(prompt, "chat") for _, _, run in runs]
-    for seconds, tokens in outputs:
-        assert seconds > 0 and len(tokens) == 12
+    for seconds, tokens, first in outputs:
+        assert 0 < first < seconds and len(tokens) == 12
     assert outputs[0][1] == outputs[1][1]  # its prompt lookup keeps its own greedy output
     assert runs[0][2](prompt, "chat")[1] == outputs[0][1]  # a repeat prefills again and decodes the same
+
+
+@pytest.mark.real
+def test_speed_times_the_peer_on_the_same_prompt(smollm2_folder):
+    why = llamacpp_peer.unavailable(0.0)
+    if why is not None:
+        pytest.skip(why)
+    from specdecode.models.store import gguf_file
+
+    timings = llamacpp_peer.plain_timings(gguf_file(smollm2_folder), 2, list(range(300, 400)), 8, repeats=2)
+    assert len(timings) == 2 and all(prefill > 0 and decode > 0 for prefill, decode in timings)

@@ -66,6 +66,16 @@ def test_speed_on_smollm2_runs_both_sides_and_reports(smollm2_folder):
     assert "of the limit" in format_speed(r)
 
 
+@pytest.mark.real
+def test_speed_times_a_long_prompt_in_chunks(smollm2_folder):
+    r = run_speed(str(smollm2_folder), new_tokens=4, repeats=1, log=lambda _: None, bandwidth_megabytes=128,
+                  prompt_tokens=600)  # more than one prefill chunk
+    assert r["prompt_tokens"] == 600
+    for side in ("native", "transformers"):
+        assert r[f"{side}_prefill_tokens_per_s"] == pytest.approx(600 / r[f"{side}_prefill_s"], rel=0.01)
+    assert "600 prompt tokens" in format_speed(r)
+
+
 def test_speed_refuses_a_length_with_no_decoding_step():
     with pytest.raises(SpecDecodeError, match="new-tokens >= 2"):  # before anything loads
         run_speed("no-model-is-loaded", new_tokens=1, log=lambda _: None)

@@ -37,6 +37,7 @@ import torch
 from specdecode.policy.adaptive import expected_tokens
 from specdecode.api import load_model
 from specdecode.commands import llamacpp_peer
+from specdecode.commands.speed import FirstTokenClock
 from specdecode.models.store import gguf_file
 from specdecode.models.load import quant_format
 from specdecode.heads.loading import eagle_drafter, medusa_drafter
@@ -64,6 +65,7 @@ class Run:
     seconds: float
     tokens: list[int]
     stats: Stats | None = None
+    first_token_s: float | None = None  # time to the first new token: the prompt's prefill, mostly
 
 
 @dataclass
@@ -82,7 +84,7 @@ def _ours(target, stop, sampling, seed, drafter=None, k=0):
         started = time.perf_counter()
         the_drafter, the_k = drafter(category) if callable(drafter) else (drafter, k() if callable(k) else k)
         tokens, done = collect(decode(target.model, prompt_ids, stop, sampling, the_drafter, the_k, generator))
-        return Run(time.perf_counter() - started, tokens, done.stats)
+        return Run(time.perf_counter() - started, tokens, done.stats, done.stats.prefill_s)
     return run
 
 
@@ -93,12 +95,13 @@ def _transformers(hf_target, max_new_tokens, eos, sampling, seed, **kw):
     def run(prompt_ids, category):
         torch.manual_seed(seed)
         ids = torch.tensor([prompt_ids])
+        clock = FirstTokenClock()
         started = time.perf_counter()
         with torch.inference_mode():
             out = hf_target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                     eos_token_id=list(eos),
-                                     pad_token_id=eos[0], **sample, **kw)
-        return Run(time.perf_counter() - started, out[0, len(prompt_ids):].tolist())
+                                     eos_token_id=list(eos), pad_token_id=eos[0], streamer=clock, **sample, **kw)
+        first = None if clock.first_at is None else clock.first_at - started
+        return Run(time.perf_counter() - started, out[0, len(prompt_ids):].tolist(), first_token_s=first)
     return run
 
 
@@ -169,7 +172,13 @@ def llamacpp_methods(target, max_new_tokens: int, lookup_k: int, temperature: fl
         return []
     log(f"loading llama.cpp on {gguf.name}")
     runs = llamacpp_peer.peer_runs(gguf, torch.get_num_threads(), max_new_tokens, target.info.eos_token_ids, lookup_k)
-    return [Method(name, k, lambda ids, category, run=run: Run(*run(ids, category)), ours=False) for name, k, run in runs]
+    def timed(run):
+        def as_run(ids, category):
+            seconds, tokens, first = run(ids, category)
+            return Run(seconds, tokens, first_token_s=first)
+        return as_run
+
+    return [Method(name, k, timed(run), ours=False) for name, k, run in runs]
 
 
 def expand_turns(target, questions, stop) -> list[tuple[str, list[int]]]:
@@ -255,8 +264,11 @@ def summarize(category: str, methods: list[Method], greedy: bool = True) -> list
     for m in methods:
         runs = [r for key in keys for r in m.results[key]]
         total = sum(seconds_per_token(m, key) for key in keys)
+        firsts = [statistics.median(r.first_token_s for r in m.results[key]) for key in keys
+                  if all(r.first_token_s is not None for r in m.results[key])]
         row = {"category": category, "method": m.name, "k": m.k, "speedup": plain_total / total,
-               "tokens_per_s": len(keys) / total}
+               "tokens_per_s": len(keys) / total,
+               "time_to_first_token_s": statistics.mean(firsts) if len(firsts) == len(keys) else None}
         if m.ours:
             stats = merged(r.stats for r in runs)
             row.update(acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,

@@ -1,5 +1,5 @@
-"""llama.cpp as a peer in `bench`: its plain decoding and its prompt-lookup speculation on
-the same GGUF file, prompt token ids, greedy budget and thread count as ours.
+"""llama.cpp as a peer in `bench` and `speed`: its plain decoding and its prompt-lookup
+speculation on the same GGUF file, prompt token ids, greedy budget and thread count as ours.
 
 It runs through the llama-cpp-python binding, an optional extra
 (`pip install -e '.[llamacpp]'`, which builds llama.cpp from source: 10-15 minutes on two
@@ -26,29 +26,58 @@ def unavailable(temperature: float) -> str | None:
     return None
 
 
+def _load(gguf: Path, threads: int, context: int, **kwargs):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False,
+                 **kwargs)
+
+
+def plain_timings(gguf: Path, threads: int, prompt_ids: Sequence[int], new_tokens: int,
+                  repeats: int) -> list[tuple[float, float]]:
+    """(seconds to the first new token, seconds after it) of llama.cpp's plain greedy decoding
+    of exactly new_tokens tokens (end-of-text ignored), once per repeat after a warm-up, as
+    `speed` times ours: the first span is the prompt's prefill."""
+    llm = _load(gguf, threads, len(prompt_ids) + new_tokens + 16)
+
+    def once(ids: Sequence[int], count: int) -> tuple[float, float]:
+        llm.reset()  # else a repeated prompt would skip its prefill, reusing the cached prefix
+        started, first_at, made = time.perf_counter(), None, 0
+        for _ in llm.generate(list(ids), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            made += 1
+            if first_at is None:
+                first_at = time.perf_counter()
+            if made >= count:
+                break
+        return first_at - started, time.perf_counter() - first_at
+
+    once(prompt_ids[:16], 4)  # a warm-up: a short prefill and a few steps
+    return [once(prompt_ids, new_tokens) for _ in range(repeats)]
+
+
 def peer_runs(gguf: Path, threads: int, max_new_tokens: int, eos: Sequence[int], lookup_k: int,
               context: int = 4096) -> list[tuple[str, int | None, Callable]]:
     """(name, k, run) for llama.cpp's plain decoding and its prompt lookup (k = lookup_k);
-    each run takes (prompt ids, category) and returns (seconds, new token ids)."""
-    from llama_cpp import Llama
+    each run takes (prompt ids, category) and returns (seconds, new token ids, seconds to the
+    first new token)."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     def load(**kwargs):
-        return Llama(model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=context,
-                     verbose=False, **kwargs)
+        return _load(gguf, threads, context, **kwargs)
 
     def runner(llm):
         def run(prompt_ids, category):
             tokens: list[int] = []
             llm.reset()  # else a repeated prompt would skip its prefill, reusing the cached prefix
-            started = time.perf_counter()
+            started, first_at = time.perf_counter(), None
             for token in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+                first_at = first_at or time.perf_counter()
                 if token in eos:
                     break
                 tokens.append(token)
                 if len(tokens) >= max_new_tokens:
                     break
-            return time.perf_counter() - started, tokens
+            return time.perf_counter() - started, tokens, first_at - started
         return run
 
     return [("llama.cpp plain", None, runner(load())),

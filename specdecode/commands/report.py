@@ -21,8 +21,8 @@ def table(result: dict) -> str:
         f"target {result['target']}, draft {result['draft']}, {result['dtype']}, temperature {result['temperature']}, "
         f"{result['max_new_tokens']} new tokens, {result['prompts']} prompts, median of {result['repeats']}, "
         f"{result['threads']} threads", "",
-        "| category | method | tok/s | speedup | theory E(α) | bound τ | α | τ | identical |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "| category | method | tok/s | speedup | first token s | theory E(α) | bound τ | α | τ | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         def fmt(key, spec, suffix=""):
             return f"{r[key]:{spec}}{suffix}" if r.get(key) is not None else ""
@@ -30,7 +30,7 @@ def table(result: dict) -> str:
         if result["temperature"] > 0 and same != "n/a":
             same = "(sampled)"
         lines.append(f"| {r['category']} | {method_label(r)} | {r['tokens_per_s']:.2f} | {r['speedup']:.2f}x "
-                     f"| {fmt('theoretical_speedup', '.2f', 'x')} | {fmt('bound_speedup', '.2f', 'x')} "
+                     f"| {fmt('time_to_first_token_s', '.2f')} | {fmt('theoretical_speedup', '.2f', 'x')} | {fmt('bound_speedup', '.2f', 'x')} "
                      f"| {fmt('acceptance_rate', '.2f') if r['method'] != 'plain' else ''} "
                      f"| {fmt('mean_accepted_length', '.2f')} | {same} |")
     return "\n".join(lines)

@@ -6,7 +6,11 @@ median of the repeats is reported.
 
 Tokens/s is the decoding rate: the tokens after the first over the time after the first,
 so the prompt's prefill (one pass over every prompt token, which yields the first token)
-is timed apart, as `prefill_s`. The end-to-end rate, prefill included, is reported too.
+is timed apart, as `prefill_s`, and as a rate of prompt tokens per second. The end-to-end
+rate, prefill included, is reported too. `--prompt-tokens N` times a prompt of N tokens of
+standard-library source instead of the short built-in one: the prefill of a long prompt,
+and decoding over its long cache. On a GGUF target, llama.cpp (the optional binding,
+llamacpp_peer.py) is timed the same way on the same file and prompt.
 Beside them stands the physical limit of a decoding step: the weight bytes one step must
 stream, divided by the memory read bandwidth measured in this run: the best of two
 streaming reads (a sum and an fp32 matrix-vector product) of a buffer four times the size
@@ -22,11 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from specdecode.commands import llamacpp_peer
 from specdecode.core.engine import decode
 from specdecode.errors import SpecDecodeError
 from specdecode.core.events import Done
 from specdecode.models.huge_pages import on_huge_pages
+from specdecode.heads.training.corpus import stdlib_documents
 from specdecode.models.load import load, parse_dtype, quant_format
+from specdecode.models.store import gguf_file
 from specdecode.policy.costs import measure_verify_curve
 from specdecode.core.prompts import encode_prompt
 from specdecode.core.stopping import StopCondition
@@ -98,7 +105,7 @@ def _time_native(model, prompt_ids: list[int], new_tokens: int) -> Timing:
     return Timing(first_at - t, end - first_at, new_tokens)
 
 
-class _FirstTokenClock:
+class FirstTokenClock:
     """A `generate` streamer that notes when the first new token comes: its first `put`
     is the prompt, its second the first new token."""
 
@@ -116,7 +123,7 @@ class _FirstTokenClock:
 
 def _time_transformers(hf_model, prompt_ids: list[int], new_tokens: int) -> Timing:
     ids = torch.tensor([prompt_ids])
-    clock = _FirstTokenClock()
+    clock = FirstTokenClock()
     t = time.perf_counter()
     with torch.inference_mode():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
@@ -126,24 +133,57 @@ def _time_transformers(hf_model, prompt_ids: list[int], new_tokens: int) -> Timi
     return Timing(clock.first_at - t, end - clock.first_at, new_tokens)
 
 
+def long_prompt(tokenizer, tokens: int) -> list[int]:
+    """`tokens` token ids of standard-library source, the same on every run."""
+    ids = [t for chunk in stdlib_documents(tokenizer, tokens, tokens) for t in chunk]
+    if len(ids) < tokens:
+        raise SpecDecodeError(f"the standard library's source gave {len(ids)} tokens, fewer than {tokens}")
+    return ids
+
+
+def _time_llamacpp(quant: str | None, folder, prompt_ids: list[int], new_tokens: int, repeats: int,
+                   log) -> list[Timing]:
+    """llama.cpp's timings on the target's GGUF file, or none (with a note) where it cannot run."""
+    if quant != "gguf":
+        return []
+    why = llamacpp_peer.unavailable(0.0)
+    if why is None:
+        try:
+            gguf = gguf_file(folder, progress=False)
+        except SpecDecodeError as err:
+            why = f"no GGUF file for the target ({err})"
+    if why is not None:
+        log(f"llama.cpp not timed: {why}")
+        return []
+    log(f"timing llama.cpp on {gguf.name}")
+    runs = llamacpp_peer.plain_timings(gguf, torch.get_num_threads(), prompt_ids, new_tokens, repeats)
+    return [Timing(prefill, decode, new_tokens) for prefill, decode in runs]
+
+
 def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repeats: int = 3,
-              log=print, bandwidth_megabytes: int = 2048) -> dict:
+              log=print, bandwidth_megabytes: int = 2048, prompt_tokens: int | None = None) -> dict:
     if new_tokens < 2 or repeats < 1:
         raise SpecDecodeError(f"speed needs --new-tokens >= 2 and --repeats >= 1, got {new_tokens} and {repeats}")
+    if prompt_tokens is not None and prompt_tokens < 1:
+        raise SpecDecodeError(f"--prompt-tokens must be at least 1, got {prompt_tokens}")
     torch_dtype, quant = parse_dtype(dtype), quant_format(dtype)
     model, tokenizer, info = load(target, dtype, backend="native")
+    short_ids = encode_prompt(tokenizer, SPEED_PROMPT)
+    prompt_ids = short_ids if prompt_tokens is None else long_prompt(tokenizer, prompt_tokens)
+    if len(prompt_ids) + new_tokens > model.max_position_embeddings:
+        raise SpecDecodeError(f"{len(prompt_ids)} prompt tokens + {new_tokens} new exceed the model's context of "
+                              f"{model.max_position_embeddings}")
     hf_model = None
     if quant is None:  # transformers runs float weights only: no like-for-like peer for quantized ones
         from transformers import AutoModelForCausalLM
 
         log(f"loading transformers' model from {info.folder}")
         hf_model = AutoModelForCausalLM.from_pretrained(str(info.folder), dtype=torch_dtype).eval()
-    prompt_ids = encode_prompt(tokenizer, SPEED_PROMPT)
 
     log("warming up")
-    _time_native(model, prompt_ids, 4)
+    _time_native(model, short_ids, 4)
     if hf_model is not None:
-        _time_transformers(hf_model, prompt_ids, 4)
+        _time_transformers(hf_model, short_ids, 4)
     native, hf = [], []
     for r in range(repeats):
         native.append(_time_native(model, prompt_ids, new_tokens))
@@ -151,12 +191,16 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
             hf.append(_time_transformers(hf_model, prompt_ids, new_tokens))
         log(f"repeat {r + 1}/{repeats}: native {native[-1].tokens_per_s:.2f} tok/s"
             + (f", transformers {hf[-1].tokens_per_s:.2f} tok/s" if hf else ""))
+    llamacpp = _time_llamacpp(quant, info.folder, prompt_ids, new_tokens, repeats, log)
     log("timing passes over 1, 2, 4, 8 and 16 tokens")
     curve = measure_verify_curve(model, CURVE_SIZES)
     bandwidth = measure_bandwidth(bandwidth_megabytes)
 
     def median(timings: list[Timing], rate: str) -> float | None:
         return round(statistics.median(getattr(t, rate) for t in timings), 3) if timings else None
+
+    def prefill_rate(timings: list[Timing]) -> float | None:
+        return round(len(prompt_ids) / statistics.median(t.prefill_s for t in timings), 2) if timings else None
 
     native_tps, hf_tps = median(native, "tokens_per_s"), median(hf, "tokens_per_s")
     limit_tps = bandwidth / model.weight_bytes_per_token
@@ -171,8 +215,14 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
         "ratio": round(native_tps / hf_tps, 3) if hf_tps else None,
         "native_prefill_s": round(statistics.median(t.prefill_s for t in native), 4),
         "transformers_prefill_s": round(statistics.median(t.prefill_s for t in hf), 4) if hf else None,
+        "native_prefill_tokens_per_s": prefill_rate(native),
+        "transformers_prefill_tokens_per_s": prefill_rate(hf),
         "native_end_to_end_tokens_per_s": median(native, "end_to_end_tokens_per_s"),
         "transformers_end_to_end_tokens_per_s": median(hf, "end_to_end_tokens_per_s"),
+        "llamacpp_tokens_per_s": median(llamacpp, "tokens_per_s"),
+        "llamacpp_prefill_s": round(statistics.median(t.prefill_s for t in llamacpp), 4) if llamacpp else None,
+        "llamacpp_prefill_tokens_per_s": prefill_rate(llamacpp),
+        "llamacpp_end_to_end_tokens_per_s": median(llamacpp, "end_to_end_tokens_per_s"),
         "verify_curve": {str(n): round(curve[n] / curve[1], 3) for n in CURVE_SIZES},
         "one_token_pass_ms": round(1e3 * curve[1], 2),
         "weight_bytes_per_token": model.weight_bytes_per_token,
@@ -187,21 +237,23 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
 
 
 def format_speed(r: dict) -> str:
+    def row(name: str, peer: str) -> str:
+        return (f"  {name:<13} {r[f'{peer}_tokens_per_s']:8.2f} tok/s   prefill {r[f'{peer}_prefill_s']:.2f} s "
+                f"({r[f'{peer}_prefill_tokens_per_s']:.1f} prompt tok/s), "
+                f"end to end {r[f'{peer}_end_to_end_tokens_per_s']:.2f} tok/s")
+
     lines = [
-        f"target {r['target']}, {r['dtype']}, {r['new_tokens']} new tokens, median of {r['repeats']}, "
-        f"{r['threads']} threads",
+        f"target {r['target']}, {r['dtype']}, {r['prompt_tokens']} prompt tokens, {r['new_tokens']} new tokens, "
+        f"median of {r['repeats']}, {r['threads']} threads",
         f"  decoding, after the first token (the prompt's prefill timed apart):",
-        f"  native        {r['native_tokens_per_s']:8.2f} tok/s   prefill {r['native_prefill_s']:.2f} s, "
-        f"end to end {r['native_end_to_end_tokens_per_s']:.2f} tok/s",
+        row("native", "native"),
     ]
     if r["transformers_tokens_per_s"] is not None:
-        lines += [
-            f"  transformers  {r['transformers_tokens_per_s']:8.2f} tok/s   prefill {r['transformers_prefill_s']:.2f} s, "
-            f"end to end {r['transformers_end_to_end_tokens_per_s']:.2f} tok/s",
-            f"  ratio         {r['ratio']:8.2f}x",
-        ]
+        lines += [row("transformers", "transformers"), f"  ratio         {r['ratio']:8.2f}x"]
     else:
         lines.append(f"  transformers  (not run: it has no {r['dtype']} weights)")
+    if r["llamacpp_tokens_per_s"] is not None:
+        lines.append(row("llama.cpp", "llamacpp"))
     curve = "  ".join(f"v({n}) {v:.2f}" for n, v in r["verify_curve"].items() if n != "1")
     lines += [
         f"  limit         {r['limit_tokens_per_s']:8.2f} tok/s  ({r['weight_bytes_per_token'] / 1e9:.2f} GB per step "
