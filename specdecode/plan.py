@@ -88,8 +88,18 @@ def plan(target: LoadedModel, drafter: str | None, draft: str | None, k: int | s
     return the_drafter, k
 
 
+# Prompt lookup's longest draft: copies cost nothing to propose, so on a long accepted run
+# k may grow as far as the measured verify costs say it pays (16 tokens cost 1.1 steps with
+# AMX, about 5 on a 2-core AVX2 CPU, where the policy stops near 8 by itself).
+LOOKUP_K_MAX = 16
+
+
 def policy_for(target: LoadedModel, drafter) -> AdaptiveK:
     """The default draft length of a chain drafter: the adaptive policy, seeded with the
     costs measured once on this machine (policy/probe.py), which drafts only as far as it
     pays and switches drafting off where it does not."""
+    if isinstance(drafter, PromptLookup):
+        rows = getattr(target.model, "row_invariant_rows", None)  # a pass past it would round differently
+        k_max = LOOKUP_K_MAX if rows is None else min(LOOKUP_K_MAX, rows - 1)
+        return AdaptiveK(measured_costs(target.model, None), k_max=k_max)
     return AdaptiveK(measured_costs(target.model, drafter.model if isinstance(drafter, DraftModel) else None))

@@ -12,7 +12,7 @@ from specdecode.drafters import DraftModel, PromptLookup
 from specdecode.models import load as models_load
 from specdecode.models.load import LoadedModel
 from specdecode.models.native import NativeModel
-from specdecode.plan import plan, policy_for
+from specdecode.plan import LOOKUP_K_MAX, plan, policy_for
 from specdecode.policy import probe
 from specdecode.policy.adaptive import AdaptiveK, CostModel, best_k, break_even_alpha
 
@@ -71,6 +71,8 @@ def test_without_k_the_policy_is_adaptive_on_measured_costs(home, tiny_pair):
     assert policy.costs == probe.measured_costs(target_model, draft_model)
     chosen, k = plan(target, "prompt-lookup", None, None, None, None)
     assert isinstance(chosen, PromptLookup) and isinstance(k, AdaptiveK) and k.costs.draft_ratio == 0.0
+    rows = target_model.row_invariant_rows
+    assert k.k_max == (LOOKUP_K_MAX if rows is None else min(LOOKUP_K_MAX, rows - 1)) > 8  # copies may run long
     assert plan(target, "prompt-lookup", None, 3, None, None)[1] == 3  # a fixed k stays available
 
 
@@ -81,6 +83,21 @@ def test_break_even_alpha_is_where_drafting_starts_to_pay():
         alpha = break_even_alpha(costs, 8)
         assert best_k(alpha, costs, 8)[0] > 0 and best_k(round(alpha - 0.01, 2), costs, 8)[0] == 0
     assert break_even_alpha(steep, 8) > break_even_alpha(flat, 8)  # costly verify passes need better drafts
+
+
+def test_free_copies_grow_as_far_as_the_verify_costs_pay():
+    flat = CostModel(0.0, (1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08))  # AMX-like verify passes
+    steep = CostModel(0.0, (1.0, 1.13, 1.3, 1.49, 1.7, 1.9, 2.1, 2.3, 2.53))  # a 2-core AVX2 CPU, quantized
+    history = {}
+    for name, costs in (("flat", flat), ("steep", steep)):
+        policy = AdaptiveK(costs, k_max=LOOKUP_K_MAX)
+        for _ in range(30):  # a long copy: every draft accepted
+            k = policy.next_k()
+            policy.observe(k, k)
+        history[name] = policy.history
+    assert history["flat"][1:] == [LOOKUP_K_MAX] * 29  # nearly free passes: the longest copy at once
+    steep = history["steep"]  # costly passes: k grows only as the copies keep being accepted
+    assert steep[0] < 4 and steep == sorted(steep) and steep[-1] == LOOKUP_K_MAX
 
 
 def test_the_policy_says_what_it_chose():
