@@ -44,6 +44,15 @@ struct Q8Row {
   std::vector<int16_t> sums16;
 };
 
+// A run of quantized rows: all of a call's, or a tile of them.
+struct Rows {
+  const Q8Row* first;
+  int64_t count;
+  const Q8Row* data() const { return first; }
+  size_t size() const { return static_cast<size_t>(count); }
+  const Q8Row& operator[](int64_t i) const { return first[i]; }
+};
+
 // x (K floats) -> blocks of `block` values scaled to [-127, 127], rounded to nearest even.
 Q8Row quantize_row(const float* x, int64_t K, int64_t block) {
   Q8Row row;
@@ -342,7 +351,7 @@ struct Q6KX8 {
 // out[m * ldo + 8 * group + r] for groups [g0, g1) of eight rows of `w` (repacked) times
 // activation row m. ROWS > 0 fixes the row count at compile time; 0 takes any.
 template <typename Block, int ROWS>
-void x8_rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t g0, int64_t g1, float* out,
+void x8_rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t g0, int64_t g1, float* out,
                    int64_t ldo) {
   const int64_t M = ROWS > 0 ? ROWS : static_cast<int64_t>(x.size());
   std::vector<__m256> acc_any(ROWS > 0 ? 0 : M);
@@ -376,7 +385,7 @@ void x8_rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x
 // order. ROWS > 0 fixes the row count at compile time, so the unpacked block stays in
 // registers (a one-row pass is a decoding step: it must run at memory speed); 0 takes any.
 template <typename Block, int ROWS>
-void rows_times(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t n0, int64_t n1, float* out,
+void rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_t n1, float* out,
                 int64_t ldo) {
   const int64_t M = ROWS > 0 ? ROWS : static_cast<int64_t>(x.size());
   std::vector<__m256> acc(M);
@@ -447,7 +456,7 @@ void pack_rows(const Q8Row* x, int64_t mt, int64_t b0, int64_t b1, int8_t* packe
 
 // A kernel for this many rows: one and two specialized (a decoding step, a short draft).
 template <typename Block, bool REPACKED>
-void rows_times_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& x, int64_t n0, int64_t n1, float* out,
+void rows_times_any(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_t n1, float* out,
                     int64_t ldo) {
   if constexpr (REPACKED) {  // n0, n1 count groups of eight rows
     switch (x.size()) {
@@ -468,7 +477,7 @@ void rows_times_any(const uint8_t* w, int64_t blocks, const std::vector<Q8Row>& 
 // rows: TILE_ROWS rows' inputs over TILE_BLOCKS blocks (256 KB) stay in cache while every
 // group of weights goes by, so the weights are read once per TILE_ROWS rows.
 template <typename Block>
-void x8_tiled(const uint8_t* w, int64_t blocks, int64_t groups, const std::vector<Q8Row>& x, float* out, int64_t ldo) {
+void x8_tiled(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* out, int64_t ldo) {
   const int64_t M = static_cast<int64_t>(x.size());
   std::vector<int8_t> packed(std::min(M, TILE_ROWS) * TILE_BLOCKS * QK_K);
   for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
@@ -532,28 +541,35 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     const uint8_t* w = p.data_ptr<uint8_t>();
     const int64_t blocks = p.size(1), bytes = p.size(2), n_rows = p.size(0);
     float* out = yp + first;
+    const Rows k_rows{x8k.data(), k_quants ? M : 0};
     if ((bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) && M >= TILE_ROWS / 2) {  // n_rows groups of eight
-      if (bytes == Q4_K_X8_BYTES) x8_tiled<Q4KX8>(w, blocks, n_rows, x8k, out, N);
-      else x8_tiled<Q6KX8>(w, blocks, n_rows, x8k, out, N);
+      if (bytes == Q4_K_X8_BYTES) x8_tiled<Q4KX8>(w, blocks, n_rows, k_rows, out, N);
+      else x8_tiled<Q6KX8>(w, blocks, n_rows, k_rows, out, N);
       first += 8 * n_rows;
       continue;
     }
     if (bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) {
       at::parallel_for(0, n_rows, 2, [&](int64_t g0, int64_t g1) {
-        if (bytes == Q4_K_X8_BYTES) rows_times_any<Q4KX8, true>(w, blocks, x8k, g0, g1, out, N);
-        else rows_times_any<Q6KX8, true>(w, blocks, x8k, g0, g1, out, N);
+        if (bytes == Q4_K_X8_BYTES) rows_times_any<Q4KX8, true>(w, blocks, k_rows, g0, g1, out, N);
+        else rows_times_any<Q6KX8, true>(w, blocks, k_rows, g0, g1, out, N);
       });
       first += 8 * n_rows;
       continue;
     }
+    // Blocks as stored, TILE_ROWS rows at a time (a long pass's inputs then stay in cache);
     // grain 16 rows: at most 16 x 210 x 35 bytes (118 KB) of weights per task on the widest
-    at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
-      if (bytes == Q4_K_BYTES) rows_times_any<Q4K, false>(w, blocks, x8k, n0, n1, out, N);
-      else if (bytes == Q6_K_BYTES) rows_times_any<Q6K, false>(w, blocks, x8k, n0, n1, out, N);
-      else if (bytes == Q8_0_BYTES) rows_times_any<Q80, false>(w, blocks, x80, n0, n1, out, N);
-      else if (bytes == Q4_0_BYTES) rows_times_any<Q4Legacy<false>, false>(w, blocks, x80, n0, n1, out, N);
-      else rows_times_any<Q4Legacy<true>, false>(w, blocks, x80, n0, n1, out, N);
-    });
+    for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+      const int64_t mt = std::min(TILE_ROWS, M - m0);
+      const Rows kt{x8k.data() + m0, k_quants ? mt : 0}, t32{x80.data() + m0, q8_0 ? mt : 0};
+      float* tile_out = out + m0 * N;
+      at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
+        if (bytes == Q4_K_BYTES) rows_times_any<Q4K, false>(w, blocks, kt, n0, n1, tile_out, N);
+        else if (bytes == Q6_K_BYTES) rows_times_any<Q6K, false>(w, blocks, kt, n0, n1, tile_out, N);
+        else if (bytes == Q8_0_BYTES) rows_times_any<Q80, false>(w, blocks, t32, n0, n1, tile_out, N);
+        else if (bytes == Q4_0_BYTES) rows_times_any<Q4Legacy<false>, false>(w, blocks, t32, n0, n1, tile_out, N);
+        else rows_times_any<Q4Legacy<true>, false>(w, blocks, t32, n0, n1, tile_out, N);
+      });
+    }
     first += n_rows;
   }
   if (bias.has_value()) y.add_(bias->to(torch::kFloat32));

@@ -73,16 +73,18 @@ def test_each_row_is_bitwise_its_one_row_product(qtype, rows, kernel_module):
         assert torch.equal(kernel_module.quant_linear(x[:count], [data], None, rows), alone[:count])
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_long_passes_are_bitwise_one_row_products(qtype, kernel_module):
-    """A prefill's many rows run tiled (64 rows by 16 blocks at a time): 130 rows make three
-    tiles of rows, 17 blocks two of blocks, and each row is still its one-row product."""
+@pytest.mark.parametrize("rows", [24, 26])  # 24: Q4_K and Q6_K repacked; 26: every type as stored
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_long_passes_are_bitwise_one_row_products(qtype, rows, kernel_module):
+    """A prefill's many rows run tiled (64 rows, and for repacked blocks 16 blocks, at a
+    time): 130 rows make three tiles of rows, 17 blocks of 256 two of blocks, and each row
+    is still its one-row product."""
     cols = 17 * 256
-    data = kernel_layout(random_blocks(qtype, 24, cols, seed=7))
+    data = kernel_layout(random_blocks(qtype, rows, cols, seed=7))
     x = torch.randn(130, cols, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [data], None, 24) for i in range(130)])
+    alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [data], None, rows) for i in range(130)])
     for count in (32, 64, 130):
-        assert torch.equal(kernel_module.quant_linear(x[:count], [data], None, 24), alone[:count])
+        assert torch.equal(kernel_module.quant_linear(x[:count], [data], None, rows), alone[:count])
 
 
 def test_stacked_parts_of_mixed_types_equal_their_products_side_by_side(kernel_module):
