@@ -58,3 +58,5 @@ def check_request(drafter: str | None, draft: str | None, k: int | str | None, p
 HYBRID = "hybrid"
 TUNABLE = ("draft-model", "prompt-lookup", HYBRID)
 BENCH_METHODS = ("draft-model", "prompt-lookup", "hybrid", "adaptive", "tuned", "medusa", "draft-tree", "eagle")
+
+PEER_LOOKUP_K = 10  # the bench peers' prompt-lookup length when ours adapts (llama-cpp-python's default)

@@ -41,7 +41,7 @@ from specdecode.commands.speed import FirstTokenClock
 from specdecode.models.store import gguf_file
 from specdecode.models.load import quant_format
 from specdecode.heads.loading import eagle_drafter, medusa_drafter
-from specdecode.options import BENCH_METHODS as METHODS, DEFAULT_DRAFT, DEFAULT_TARGET
+from specdecode.options import BENCH_METHODS as METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, PEER_LOOKUP_K
 from specdecode.plan import make_draft_model, policy_for, tuned_drafter
 from specdecode.drafters import PromptLookup
 from specdecode.drafters.draft_tree import DraftTree
@@ -119,6 +119,10 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
     for name in names:
         if name == "draft-model":
             methods += [Method(name, k, _ours(target, stop, sampling, seed, drafter, k)) for k in ks]
+        elif name == "prompt-lookup" and lookup_k == "auto":  # generate's default: k adaptive, up to 16
+            lookup = PromptLookup()
+            methods.append(Method(name, None, _ours(target, stop, sampling, seed, lookup,
+                                                    lambda lookup=lookup: policy_for(target, lookup))))
         elif name == "prompt-lookup":
             methods.append(Method(name, lookup_k, _ours(target, stop, sampling, seed, PromptLookup(), lookup_k)))
         elif name == "hybrid":  # copies of up to 8 where the context repeats, else the model, k adaptive
@@ -153,12 +157,13 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
         if draft is not None:
             hf_draft = AutoModelForCausalLM.from_pretrained(str(draft.info.folder), dtype=target.model.dtype).eval()
             methods.append(Method("transformers assisted", None, peer(assistant_model=hf_draft), ours=False))
-        methods.append(Method("transformers prompt-lookup", lookup_k, peer(prompt_lookup_num_tokens=lookup_k),
+        peer_k = PEER_LOOKUP_K if lookup_k == "auto" else lookup_k
+        methods.append(Method("transformers prompt-lookup", peer_k, peer(prompt_lookup_num_tokens=peer_k),
                               ours=False))
     return methods
 
 
-def llamacpp_methods(target, max_new_tokens: int, lookup_k: int, temperature: float, log) -> list[Method]:
+def llamacpp_methods(target, max_new_tokens: int, lookup_k: int | str, temperature: float, log) -> list[Method]:
     """llama.cpp's plain decoding and prompt lookup on the target's GGUF file (llamacpp_peer.py),
     or none, with a one-line note saying why."""
     why = llamacpp_peer.unavailable(temperature)
@@ -171,7 +176,8 @@ def llamacpp_methods(target, max_new_tokens: int, lookup_k: int, temperature: fl
         log(f"llama.cpp peer skipped: {why}")
         return []
     log(f"loading llama.cpp on {gguf.name}")
-    runs = llamacpp_peer.peer_runs(gguf, torch.get_num_threads(), max_new_tokens, target.info.eos_token_ids, lookup_k)
+    runs = llamacpp_peer.peer_runs(gguf, torch.get_num_threads(), max_new_tokens, target.info.eos_token_ids,
+                                   PEER_LOOKUP_K if lookup_k == "auto" else lookup_k)
     def timed(run):
         def as_run(ids, category):
             seconds, tokens, first = run(ids, category)

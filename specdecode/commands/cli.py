@@ -15,8 +15,8 @@ import sys
 
 from specdecode.commands import models as cli_models
 from specdecode.errors import SpecDecodeError
-from specdecode.options import (BENCH_METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS, DTYPE_HELP, HYBRID, TUNABLE,
-                                check_request)
+from specdecode.options import (BENCH_METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS, DTYPE_HELP, HYBRID,
+                                PEER_LOOKUP_K, TUNABLE, check_request)
 from specdecode.suites import LONG_SUITES, SUITES, load_prompt_file, load_suite
 
 ACCEPTED_STYLE = ("\033[32m", "\033[0m")  # drafted-and-accepted tokens in green
@@ -154,6 +154,15 @@ def run_quality_cmd(args) -> int:
                                                  log=log), format_quality)
 
 
+def _lookup_k(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {text!r}") from None
+
+
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -187,7 +196,9 @@ def add_bench(sub) -> None:
                    help=f"of {','.join(BENCH_METHODS)} (default: all but medusa and eagle, which need trained heads; "
                         "tuned only with --profile)")
     p.add_argument("--k", type=_csv, default=["2", "3", "4"], help="draft lengths for the draft model")
-    p.add_argument("--lookup-k", type=int, default=4, help="draft length for prompt lookup")
+    p.add_argument("--lookup-k", type=_lookup_k, default=4,
+                   help="draft length for prompt lookup, or 'auto': generate's adaptive k, which grows on long "
+                        f"accepted copies (the peers then look up {PEER_LOOKUP_K}) (default: 4)")
     p.add_argument("--tree-widths", type=_csv, default=["2x2x1", "3x1x1"],
                    help="draft-tree shapes: top-w candidates per depth, e.g. 2x2x1 (at most 10 nodes)")
     add_questions_args(p, default_limit=10)

@@ -80,6 +80,10 @@ def peer_runs(gguf: Path, threads: int, max_new_tokens: int, eos: Sequence[int],
             return time.perf_counter() - started, tokens, first_at - started
         return run
 
+    # With a draft model the binding keeps logits for every token (logits_all), but sizes
+    # that buffer by n_batch rows: a prompt longer than a batch overflows it unless the
+    # batch spans the context. Those logits cost its prompt lookup prefill time (the
+    # vocabulary product on every prompt row) that its plain decoding does not pay.
     return [("llama.cpp plain", None, runner(load())),
             ("llama.cpp prompt-lookup", lookup_k,
-             runner(load(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_k))))]
+             runner(load(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_k), n_batch=context)))]

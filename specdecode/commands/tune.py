@@ -47,7 +47,7 @@ HYBRID_MIN_NGRAMS = (2, 3)  # tune probes the hybrid copying repeats of at least
 
 def measure_costs(target, drafters: dict, context: int = 256, repeats: int = 7) -> tuple[dict[int, float], dict]:
     """(verify seconds by n, seconds per draft token by drafter), the model passes
-    interleaved with the target's; prompt lookup is timed as a scan of the context."""
+    interleaved with the target's; prompt lookup is timed as a lookup in the context."""
     models = {str(n): (target, n) for n in VERIFY_SIZES}
     models |= {name: (d.model, 1) for name, d in drafters.items() if isinstance(d, DraftModel)}
     seconds = measure_passes(models, context, repeats)
