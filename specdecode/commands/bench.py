@@ -38,7 +38,6 @@ from specdecode.policy.adaptive import expected_tokens
 from specdecode.api import load_model
 from specdecode.commands import llamacpp_peer
 from specdecode.commands.speed import FirstTokenClock
-from specdecode.models.store import gguf_file
 from specdecode.models.load import quant_format
 from specdecode.heads.loading import eagle_drafter, medusa_drafter
 from specdecode.options import BENCH_METHODS as METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, PEER_LOOKUP_K
@@ -166,12 +165,7 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
 def llamacpp_methods(target, max_new_tokens: int, lookup_k: int | str, temperature: float, log) -> list[Method]:
     """llama.cpp's plain decoding and prompt lookup on the target's GGUF file (llamacpp_peer.py),
     or none, with a one-line note saying why."""
-    why = llamacpp_peer.unavailable(temperature)
-    if why is None:
-        try:
-            gguf = gguf_file(target.info.folder, progress=False)
-        except SpecDecodeError as err:
-            why = f"no GGUF file for the target ({err})"
+    gguf, why = llamacpp_peer.target_gguf(target.info.folder, temperature)
     if why is not None:
         log(f"llama.cpp peer skipped: {why}")
         return []

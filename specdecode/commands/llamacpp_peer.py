@@ -14,6 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from specdecode.errors import SpecDecodeError
+from specdecode.models.store import gguf_file
+
 
 def unavailable(temperature: float) -> str | None:
     """Why the llama.cpp peer cannot run here, or None."""
@@ -24,6 +27,17 @@ def unavailable(temperature: float) -> str | None:
     except (ImportError, OSError, RuntimeError) as err:  # not installed, or its library failed to load
         return f"the llama-cpp-python binding is not available ({err}); pip install -e '.[llamacpp]'"
     return None
+
+
+def target_gguf(folder: Path, temperature: float) -> tuple[Path | None, str | None]:
+    """(the target's GGUF file, None) where the peer can run on it, else (None, why not)."""
+    why = unavailable(temperature)
+    if why is not None:
+        return None, why
+    try:
+        return gguf_file(folder, progress=False), None
+    except SpecDecodeError as err:
+        return None, f"no GGUF file for the target ({err})"
 
 
 def _load(gguf: Path, threads: int, context: int, **kwargs):

@@ -33,7 +33,6 @@ from specdecode.core.events import Done
 from specdecode.models.huge_pages import on_huge_pages
 from specdecode.heads.training.corpus import stdlib_documents
 from specdecode.models.load import load, parse_dtype, quant_format
-from specdecode.models.store import gguf_file
 from specdecode.policy.costs import measure_verify_curve
 from specdecode.core.prompts import encode_prompt
 from specdecode.core.stopping import StopCondition
@@ -146,12 +145,7 @@ def _time_llamacpp(quant: str | None, folder, prompt_ids: list[int], new_tokens:
     """llama.cpp's timings on the target's GGUF file, or none (with a note) where it cannot run."""
     if quant != "gguf":
         return []
-    why = llamacpp_peer.unavailable(0.0)
-    if why is None:
-        try:
-            gguf = gguf_file(folder, progress=False)
-        except SpecDecodeError as err:
-            why = f"no GGUF file for the target ({err})"
+    gguf, why = llamacpp_peer.target_gguf(folder, 0.0)
     if why is not None:
         log(f"llama.cpp not timed: {why}")
         return []
