@@ -156,10 +156,15 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
         if draft is not None:
             hf_draft = AutoModelForCausalLM.from_pretrained(str(draft.info.folder), dtype=target.model.dtype).eval()
             methods.append(Method("transformers assisted", None, peer(assistant_model=hf_draft), ours=False))
-        peer_k = PEER_LOOKUP_K if lookup_k == "auto" else lookup_k
+        peer_k = peer_lookup_k(lookup_k)
         methods.append(Method("transformers prompt-lookup", peer_k, peer(prompt_lookup_num_tokens=peer_k),
                               ours=False))
     return methods
+
+
+def peer_lookup_k(lookup_k: int | str) -> int:
+    """The peers' prompt-lookup length: ours, or PEER_LOOKUP_K where ours adapts ("auto")."""
+    return PEER_LOOKUP_K if lookup_k == "auto" else lookup_k
 
 
 def llamacpp_methods(target, max_new_tokens: int, lookup_k: int | str, temperature: float, log) -> list[Method]:
@@ -171,7 +176,7 @@ def llamacpp_methods(target, max_new_tokens: int, lookup_k: int | str, temperatu
         return []
     log(f"loading llama.cpp on {gguf.name}")
     runs = llamacpp_peer.peer_runs(gguf, torch.get_num_threads(), max_new_tokens, target.info.eos_token_ids,
-                                   PEER_LOOKUP_K if lookup_k == "auto" else lookup_k)
+                                   peer_lookup_k(lookup_k))
     def timed(run):
         def as_run(ids, category):
             seconds, tokens, first = run(ids, category)

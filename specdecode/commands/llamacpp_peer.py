@@ -47,57 +47,51 @@ def _load(gguf: Path, threads: int, context: int, **kwargs):
                  **kwargs)
 
 
+def greedy(llm, prompt_ids: Sequence[int], max_new_tokens: int,
+           eos: Sequence[int] = ()) -> tuple[float, list[int], float]:
+    """(seconds, new token ids, seconds to the first new token) of llama.cpp's greedy
+    decoding of up to max_new_tokens, stopping at an `eos` token (not kept)."""
+    llm.reset()  # else a repeated prompt would skip its prefill, reusing the cached prefix
+    tokens: list[int] = []
+    started, first_at = time.perf_counter(), None
+    for token in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        first_at = first_at or time.perf_counter()
+        if token in eos:
+            break
+        tokens.append(token)
+        if len(tokens) >= max_new_tokens:
+            break
+    return time.perf_counter() - started, tokens, first_at - started
+
+
 def plain_timings(gguf: Path, threads: int, prompt_ids: Sequence[int], new_tokens: int,
                   repeats: int) -> list[tuple[float, float]]:
     """(seconds to the first new token, seconds after it) of llama.cpp's plain greedy decoding
     of exactly new_tokens tokens (end-of-text ignored), once per repeat after a warm-up, as
     `speed` times ours: the first span is the prompt's prefill."""
     llm = _load(gguf, threads, len(prompt_ids) + new_tokens + 16)
-
-    def once(ids: Sequence[int], count: int) -> tuple[float, float]:
-        llm.reset()  # else a repeated prompt would skip its prefill, reusing the cached prefix
-        started, first_at, made = time.perf_counter(), None, 0
-        for _ in llm.generate(list(ids), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-            made += 1
-            if first_at is None:
-                first_at = time.perf_counter()
-            if made >= count:
-                break
-        return first_at - started, time.perf_counter() - first_at
-
-    once(prompt_ids[:16], 4)  # a warm-up: a short prefill and a few steps
-    return [once(prompt_ids, new_tokens) for _ in range(repeats)]
+    greedy(llm, prompt_ids[:16], 4)  # a warm-up: a short prefill and a few steps
+    timings = []
+    for _ in range(repeats):
+        seconds, _, first = greedy(llm, prompt_ids, new_tokens)
+        timings.append((first, seconds - first))
+    return timings
 
 
 def peer_runs(gguf: Path, threads: int, max_new_tokens: int, eos: Sequence[int], lookup_k: int,
               context: int = 4096) -> list[tuple[str, int | None, Callable]]:
     """(name, k, run) for llama.cpp's plain decoding and its prompt lookup (k = lookup_k);
-    each run takes (prompt ids, category) and returns (seconds, new token ids, seconds to the
-    first new token)."""
+    each run takes (prompt ids, category) and returns what `greedy` does."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-    def load(**kwargs):
-        return _load(gguf, threads, context, **kwargs)
-
     def runner(llm):
-        def run(prompt_ids, category):
-            tokens: list[int] = []
-            llm.reset()  # else a repeated prompt would skip its prefill, reusing the cached prefix
-            started, first_at = time.perf_counter(), None
-            for token in llm.generate(list(prompt_ids), top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-                first_at = first_at or time.perf_counter()
-                if token in eos:
-                    break
-                tokens.append(token)
-                if len(tokens) >= max_new_tokens:
-                    break
-            return time.perf_counter() - started, tokens, first_at - started
-        return run
+        return lambda prompt_ids, category: greedy(llm, prompt_ids, max_new_tokens, eos)
 
     # With a draft model the binding keeps logits for every token (logits_all), but sizes
     # that buffer by n_batch rows: a prompt longer than a batch overflows it unless the
     # batch spans the context. Those logits cost its prompt lookup prefill time (the
     # vocabulary product on every prompt row) that its plain decoding does not pay.
-    return [("llama.cpp plain", None, runner(load())),
-            ("llama.cpp prompt-lookup", lookup_k,
-             runner(load(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=lookup_k), n_batch=context)))]
+    lookup = LlamaPromptLookupDecoding(num_pred_tokens=lookup_k)
+    return [("llama.cpp plain", None, runner(_load(gguf, threads, context))),
+            ("llama.cpp prompt-lookup", lookup_k, runner(_load(gguf, threads, context, draft_model=lookup,
+                                                                n_batch=context)))]
