@@ -560,7 +560,8 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     // grain 16 rows: at most 16 x 210 x 35 bytes (118 KB) of weights per task on the widest
     for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
       const int64_t mt = std::min(TILE_ROWS, M - m0);
-      const Rows kt{x8k.data() + m0, k_quants ? mt : 0}, t32{x80.data() + m0, q8_0 ? mt : 0};
+      const Rows kt{k_quants ? x8k.data() + m0 : nullptr, k_quants ? mt : 0},  // a kind of row the call
+          t32{q8_0 ? x80.data() + m0 : nullptr, q8_0 ? mt : 0};                  // lacks is never read
       float* tile_out = out + m0 * N;
       at::parallel_for(0, n_rows, 16, [&](int64_t n0, int64_t n1) {
         if (bytes == Q4_K_BYTES) rows_times_any<Q4K, false>(w, blocks, kt, n0, n1, tile_out, N);
