@@ -6,7 +6,7 @@ import pytest
 
 from specdecode.commands.bench import run_bench
 from specdecode.commands.report import write_report
-from specdecode.suites import Question
+from specdecode.questions import Question
 from specdecode.policy.profile import Profile
 
 

@@ -24,7 +24,7 @@ from specdecode.core.sampling import SamplingConfig
 from specdecode.core.stopping import StopCondition
 from specdecode.errors import SpecDecodeError
 from specdecode.models.native import NativeModel
-from specdecode.suites import Question
+from specdecode.questions import Question
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from specdecode.errors import SpecDecodeError
+from specdecode.questions import Question, conversation, load_prompt_file
 from specdecode.suites import (
-    CODE_EDITS, CODE_EDITS_LONG, LONG_SUITES, MATH_ANSWERS, RETRIEVAL, SUITES, Question, conversation, load_prompt_file, load_suite, truncate_words,
+    CODE_EDITS, CODE_EDITS_LONG, LONG_SUITES, MATH_ANSWERS, RETRIEVAL, SUITES, load_suite, truncate_words,
 )
 
 

@@ -51,7 +51,7 @@ from specdecode.core.events import Stats, collect
 from specdecode.core.prompts import encode_prompt
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.stopping import StopCondition
-from specdecode.suites import conversation
+from specdecode.questions import conversation
 
 
 

@@ -67,7 +67,8 @@ from specdecode.errors import SpecDecodeError
 from specdecode.models.kv_cache import KVCache
 from specdecode.options import DEFAULT_TARGET, check_request
 from specdecode.plan import plan
-from specdecode.suites import Question, load_suite
+from specdecode.questions import Question
+from specdecode.suites import load_suite
 
 DEFAULT_TEMPERATURE = 0.8
 # Sized to take about 3 minutes with the Qwen pair on 2 cores (AVX2), where a speculative

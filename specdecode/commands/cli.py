@@ -17,7 +17,8 @@ from specdecode.commands import models as cli_models
 from specdecode.errors import SpecDecodeError
 from specdecode.options import (BENCH_METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, DRAFTERS, DTYPE_HELP, HYBRID,
                                 PEER_LOOKUP_K, TUNABLE, check_request)
-from specdecode.suites import LONG_SUITES, SUITES, load_prompt_file, load_suite
+from specdecode.questions import load_prompt_file
+from specdecode.suites import LONG_SUITES, SUITES, load_suite
 
 ACCEPTED_STYLE = ("\033[32m", "\033[0m")  # drafted-and-accepted tokens in green
 
