@@ -80,7 +80,7 @@ def decode(
     out = target(torch.tensor([list(prompt_ids)]), cache, num_logits=1, hidden_layers=layers)
     if layers:
         drafter.observe_target({layer: out.hidden_states[layer][0] for layer in layers})
-    first = _pick(out.logits[0], sampling, generator)[0]  # logits (1, V)
+    first = pick(out.logits[0], sampling, generator)[0]  # logits (1, V)
     stats.prefill_s = time.perf_counter() - started
     context = list(prompt_ids) + [first]
     new_tokens = [first]
@@ -102,7 +102,7 @@ def decode(
             accepted_tokens = proposal.tokens[[node - 1 for node in path]].tolist()
         else:
             k_round = min(policy.next_k(), budget) if drafter is not None else 0
-            draft_tokens, draft_probs = _propose(drafter, context, k_round, sampling, generator)
+            draft_tokens, draft_probs = propose(drafter, context, k_round, sampling, generator)
             t1 = time.perf_counter()
             num_accepted, next_token = _verify(target, cache, context[-1], draft_tokens, draft_probs, sampling,
                                                generator)
@@ -125,14 +125,14 @@ def decode(
     yield Done(reason, stats)
 
 
-def _pick(logits: torch.Tensor, sampling: SamplingConfig, generator) -> list[int]:
+def pick(logits: torch.Tensor, sampling: SamplingConfig, generator) -> list[int]:
     """Tokens for rows of logits (n, V): argmax when greedy, else a sample."""
     if sampling.greedy:
         return logits.argmax(dim=-1).tolist()
     return sample(logits_to_probs(logits, sampling), generator).tolist()
 
 
-def _propose(drafter, context: list[int], k: int, sampling: SamplingConfig, generator):
+def propose(drafter, context: list[int], k: int, sampling: SamplingConfig, generator):
     if drafter is None or k < 1:
         return torch.empty(0, dtype=torch.long), None
     proposal = drafter.propose(context, k, sampling, generator)
@@ -143,7 +143,13 @@ def _verify(target, cache, pending: int, draft_tokens: torch.Tensor, draft_probs
             sampling: SamplingConfig, generator) -> tuple[int, int]:
     """One target pass over [pending, drafts...]; returns (num_accepted, next_token)."""
     inputs = torch.cat([torch.tensor([pending]), draft_tokens])[None]  # (1, k+1)
-    logits = target(inputs, cache).logits[0]  # (k+1, V)
+    return accept_chain(draft_tokens, draft_probs, target(inputs, cache).logits[0], sampling, generator)
+
+
+def accept_chain(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                 sampling: SamplingConfig, generator) -> tuple[int, int]:
+    """The acceptance rule over the target's logits (k+1, V) at [pending, drafts...]:
+    (num_accepted, next_token). The batch loop (batch.py) decides with this same call."""
     if sampling.greedy:
         return greedy_chain(draft_tokens, logits.argmax(dim=-1))
     target_probs = logits_to_probs(logits, sampling)  # (k+1, V)
