@@ -11,7 +11,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "specdecode"
 # Lower layers never import higher ones; a layer may import itself and anything below.
 LAYERS = {"errors": 0, "options": 1, "questions": 1, "suites": 1, "models": 2, "core": 3, "policy": 4, "drafters": 5,
-          "heads": 6, "plan": 7, "api": 8, "__init__": 9, "commands": 10}
+          "heads": 6, "plan": 7, "api": 8, "__init__": 9, "server": 10,
+          "commands": 11}
 # Imports made when first used, so that flags are checked before torch loads (seconds): the
 # command line imports each command's module when it runs, the package its API on first use.
 LAZY_ALLOWED = {"specdecode.commands.cli", "specdecode"}

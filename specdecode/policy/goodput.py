@@ -1,0 +1,134 @@
+"""The draft length for a running batch: as long as it raises the batch's tokens per second.
+
+Alone, a verify pass over k+1 rows costs little more than one row: decoding waits on the
+weights, and the extra rows ride along. A batch of B sequences already fills a pass with
+B rows, so speculation adds B·k rows to a pass whose cost now grows with every row, and
+its gain shrinks as concurrency rises. Each step the controller picks the k that
+maximises expected goodput
+
+    rate(k) = Σ_i E(α_i, k) / (V(B·(k+1)) + B·k·d)
+
+over the batch's sequences i with acceptance α_i (adaptive.expected_tokens), the
+measured time V(n) of a pass over n rows on this machine (`measure`/`measured`, cached
+like the single-sequence probe) and the drafter's time per draft token d (0 for prompt
+lookup). k = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
+it switches off, probing k = 1 every `probe_every` steps so that a batch that shrinks
+or turns repetitive gets it back. Acceptance per sequence is the adaptive policy's
+estimate (`AdaptiveK.alpha`: prior, then what its target accepted, with forgetting).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from specdecode.models.store import home
+from specdecode.policy import machine
+from specdecode.policy.adaptive import expected_tokens
+from specdecode.policy.costs import measure_passes
+from specdecode.policy.probe import shape_of
+
+log = logging.getLogger("specdecode")
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds of one target pass over n rows, measured at some n and linear in between."""
+
+    seconds: dict[int, float]  # rows -> seconds
+
+    @classmethod
+    def monotone(cls, seconds: dict[int, float]) -> "PassCosts":
+        """A longer pass never costs less: timing noise must not make drafting look free."""
+        fixed, most = {}, 0.0
+        for n in sorted(seconds):
+            most = fixed[n] = max(most, seconds[n])
+        return cls(fixed)
+
+    def __call__(self, rows: int) -> float:
+        sizes = sorted(self.seconds)
+        if rows <= sizes[0]:
+            return self.seconds[sizes[0]]
+        for lo, hi in zip(sizes, sizes[1:]):
+            if rows <= hi:
+                return self.seconds[lo] + (self.seconds[hi] - self.seconds[lo]) * (rows - lo) / (hi - lo)
+        lo, hi = sizes[-2:] if len(sizes) > 1 else (sizes[0], sizes[0])
+        slope = (self.seconds[hi] - self.seconds[lo]) / (hi - lo) if hi > lo else 0.0
+        return self.seconds[hi] + slope * (rows - hi)  # past the last size: its last slope
+
+
+def batch_rate(alphas: Sequence[float], k: int, pass_costs: PassCosts, draft_token_s: float,
+               others: Sequence[int] = ()) -> float:
+    """Expected tokens per second of a batch step that drafts k for every sequence of
+    acceptance alphas, beside sequences the controller does not steer (`others`: their rows,
+    each emitting a token or more)."""
+    tokens = sum(expected_tokens(a, k) for a in alphas) + len(others)
+    rows = len(alphas) * (k + 1) + sum(others)
+    return tokens / (pass_costs(rows) + len(alphas) * k * draft_token_s)
+
+
+def best_batch_k(alphas: Sequence[float], pass_costs: PassCosts, draft_token_s: float, k_max: int,
+                 others: Sequence[int] = ()) -> tuple[int, float]:
+    """(k, its rate over plain decoding's) for the batch; k = 0: drafting off."""
+    rates = [batch_rate(alphas, k, pass_costs, draft_token_s, others) for k in range(k_max + 1)]
+    k = max(range(k_max + 1), key=lambda i: rates[i])
+    return k, rates[k] / rates[0]
+
+
+@dataclass
+class GoodputController:
+    pass_costs: PassCosts
+    k_max: int
+    draft_token_s: float = 0.0
+    probe_every: int = 16
+    steps_off: int = field(default=0, init=False)
+    k: int = field(default=0, init=False)  # the last decision, for the metrics
+    gain: float = field(default=1.0, init=False)  # its expected rate over plain decoding
+
+    def choose(self, alphas: Sequence[float], others: Sequence[int] = ()) -> int:
+        """k for the sequences of acceptance alphas in a step, beside others (batch_rate)."""
+        if not alphas or self.k_max < 1:
+            self.k, self.gain = 0, 1.0
+            return 0
+        k, self.gain = best_batch_k(alphas, self.pass_costs, self.draft_token_s, self.k_max, others)
+        if k == 0:
+            self.steps_off += 1
+            if self.steps_off % self.probe_every == 0:
+                k = 1  # a cheap look: does drafting pay again?
+        else:
+            self.steps_off = 0
+        self.k = k
+        return k
+
+
+# Rows of the passes timed: up to a batch of 16 drafting 7 each, geometric past 8.
+PASS_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+PROBE_CONTEXT = 128
+PROBE_REPEATS = 3
+
+
+def cache_path(target_model, most_rows: int) -> Path:
+    key = json.dumps(["batch", shape_of(target_model), machine.fingerprint(), PASS_ROWS, most_rows])
+    return home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+
+def measured(target_model, most_rows: int) -> PassCosts:
+    """The target's pass over n rows, n up to most_rows, on this machine: read from the
+    cache under $SPECDECODE_HOME, or timed once (interleaved, medians) and cached."""
+    rows = [n for n in PASS_ROWS if n < most_rows] + [most_rows]
+    path = cache_path(target_model, most_rows)
+    try:
+        return PassCosts.monotone({int(n): s for n, s in json.loads(path.read_text())["pass_seconds"].items()})
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: measure again
+        log.warning(f"measuring this machine's target passes over 1-{most_rows} rows, once (seconds to a minute)...")
+    seconds = measure_passes({str(n): (target_model, n) for n in rows}, PROBE_CONTEXT, PROBE_REPEATS)
+    figures = {"pass_seconds": {n: seconds[str(n)] for n in rows}, "machine": machine.fingerprint()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(figures, indent=1))
+    partial.replace(path)  # never a half-written file
+    return PassCosts.monotone(figures["pass_seconds"])

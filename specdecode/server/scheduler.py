@@ -1,0 +1,188 @@
+"""The server's decoding loop, in a thread of its own.
+
+Requests wait in a bounded queue, join the running batch between steps (each prefilled
+alone, core/batch.py), and leave it when done or when their client goes away: a
+cancelled sequence is dropped before the next step, and its cache goes with it. Every
+step is one target pass for the whole batch. A request asks for speculation `auto` (the
+goodput controller's k for this batch, policy/goodput.py), a fixed k, or none.
+
+Everything a request needs to hear (its rounds, its end, or a failure) goes through its
+`deliver` callback, which the web layer makes thread-safe. A failure inside a step fails
+the sequences of that step with a message and leaves the loop running.
+Left out: prefill in chunks interleaved with decoding (a long prompt holds the batch
+back while it is read), and preemption when memory runs short.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specdecode.core.batch import Sequence, prefill, step
+from specdecode.core.events import Round, Stats
+from specdecode.errors import SpecDecodeError
+from specdecode.policy.goodput import GoodputController
+from specdecode.server.metrics import ServerMetrics
+
+log = logging.getLogger("specdecode")
+
+AUTO = None  # a request's speculation mode: AUTO, False (plain) or a fixed k
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "eos", "stop" or "length"
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+@dataclass
+class Job:
+    seq: Sequence
+    deliver: Callable[[Round | Finished | Failed], None]
+    mode: bool | int | None = AUTO
+    arrived: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    last_token_at: float | None = None
+
+    def k(self, auto_k: int) -> int:
+        if self.seq.drafter is None or self.mode is False:
+            return 0
+        return auto_k if self.mode is AUTO else int(self.mode)
+
+
+class Scheduler:
+    def __init__(self, target, controller: GoodputController | None, metrics: ServerMetrics, max_batch: int,
+                 max_queue: int):
+        self.target = target  # the model's forward (a NativeModel or the transformers adapter)
+        self.controller = controller
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.waiting: deque[Job] = deque()
+        self.running: list[Job] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="specdecode-batch", daemon=True)
+
+    # ---- called from the web layer -------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is running and waiting, then end the loop."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting")
+            self.waiting.append(job)
+            self.metrics.waiting.set(len(self.waiting))
+            self._wake.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: the job leaves before the next step."""
+        job.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while self.idle and not self._stopping:
+                    self._wake.wait()
+                if self.idle and self._stopping:
+                    return
+                admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting),
+                                                                      self.max_batch - len(self.running)))]
+                self.metrics.waiting.set(len(self.waiting))
+            for job in admitted:
+                self._admit(job)
+            self._drop_cancelled()
+            if self.running:
+                try:
+                    self._step()
+                except Exception as error:  # a fault in one step must not take the server down
+                    log.exception("a decoding step failed")
+                    for job in self.running:
+                        job.deliver(Failed(f"decoding failed: {error}"))
+                    self.running = []
+            self.metrics.running.set(len(self.running))
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled:
+            self.metrics.aborted.inc()
+            return
+        try:
+            first = prefill(self.target, job.seq)
+        except SpecDecodeError as error:
+            job.deliver(Failed(str(error)))
+            return
+        except Exception as error:
+            log.exception("a prefill failed")
+            job.deliver(Failed(f"prefill failed: {error}"))
+            return
+        now = time.perf_counter()
+        self.metrics.ttft.observe(now - job.arrived)
+        self.metrics.prompt_tokens.inc(len(job.seq.prompt_ids))
+        self._deliver(job, first, now)
+        if not job.seq.done:
+            self.running.append(job)
+
+    def _drop_cancelled(self) -> None:
+        for job in self.running:
+            if job.cancelled:
+                self.metrics.aborted.inc()
+        self.running = [job for job in self.running if not job.cancelled]
+
+    def _step(self) -> None:
+        auto = [job for job in self.running if job.mode is AUTO and job.seq.drafter is not None]
+        auto_k = 0
+        if auto and self.controller is not None:
+            others = [1 + job.k(0) for job in self.running if job not in auto]
+            auto_k = self.controller.choose([job.seq.policy.alpha for job in auto], others)
+            self.metrics.controller_k.set(self.controller.k)
+            self.metrics.controller_gain.set(self.controller.gain)
+        ks = [job.k(auto_k) for job in self.running]
+        rounds = step(self.target, [job.seq for job in self.running], ks)
+        self.metrics.step(len(self.running), any(ks))
+        now = time.perf_counter()
+        for job, round_ in zip(self.running, rounds):
+            self.metrics.observe_round(round_.num_drafted, round_.num_accepted)
+            self._deliver(job, round_, now)
+        self.running = [job for job in self.running if not job.seq.done]
+
+    def _deliver(self, job: Job, round_: Round, now: float) -> None:
+        gap = None if job.last_token_at is None else now - job.last_token_at
+        self.metrics.observe_tokens(len(round_.token_ids), gap)
+        job.last_token_at = now
+        job.deliver(round_)
+        if job.seq.done:
+            job.seq.stats.wall_s = now - job.arrived
+            self.metrics.finish(job.seq.finish_reason)
+            job.deliver(Finished(job.seq.finish_reason, job.seq.stats))
