@@ -44,8 +44,10 @@ def test_sequences_the_controller_does_not_steer_count_their_rows():
 def test_the_controller_switches_off_probes_and_comes_back():
     controller = GoodputController(KNEE, k_max=8, probe_every=4)
     assert controller.choose([0.8]) == 7 and controller.gain > 3
-    full = [controller.choose([0.8] * 8) for _ in range(8)]
-    assert full == [0, 0, 0, 1, 0, 0, 0, 1]  # off, with a one-token look every 4 steps
+    low = [controller.choose([0.05] * 6) for _ in range(8)]
+    assert low == [0, 0, 0, 1, 0, 0, 0, 1]  # off, with a one-token look every 4 steps
+    full = [controller.choose([0.8] * 16) for _ in range(8)]
+    assert full == [0] * 8  # even drafts always accepted would not pay here: no probe
     assert controller.choose([0.8, 0.8]) > 0  # the batch shrank: drafting pays again
     assert GoodputController(KNEE, k_max=0).choose([0.9]) == 0
 

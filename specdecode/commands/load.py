@@ -65,8 +65,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="chat completions (default) or plain completions")
     p.add_argument("--no-stream", dest="stream", action="store_false", help="whole responses instead of streams")
-    p.add_argument("--disconnect", type=float, default=0.1, help="share of streamed requests whose client closes the "
-                   f"stream after {DISCONNECT_AFTER} chunks (default: 0.1)")
+    p.add_argument("--disconnect", type=float, default=0.0, help="share of streamed requests whose client closes the "
+                   f"stream after {DISCONNECT_AFTER} chunks (default: 0, none; a soak test sets it)")
     p.add_argument("--speculative", type=_modes, default=["auto", "off"], help="modes run side by side: auto (no "
                    "field), off (false), on (--k); other servers: auto only (default: auto,off)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round of mode on (default: 4)")

@@ -12,8 +12,9 @@ over the batch's sequences i with acceptance α_i (adaptive.expected_tokens), th
 measured time V(n) of a pass over n rows on this machine (`measure`/`measured`, cached
 like the single-sequence probe) and the drafter's time per draft token d (0 for prompt
 lookup). k = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
-it switches off, probing k = 1 every `probe_every` steps so that a batch that shrinks
-or turns repetitive gets it back. Acceptance per sequence is the adaptive policy's
+it switches off, probing k = 1 every `probe_every` steps so that a batch that turns
+repetitive gets it back, unless even drafts always accepted would not pay at this batch
+size (then a probe only costs; a batch that shrinks is judged afresh each step). Acceptance per sequence is the adaptive policy's
 estimate (`AdaptiveK.alpha`: prior, then what its target accepted, with forgetting).
 """
 
@@ -28,7 +29,7 @@ from typing import Sequence
 
 from specdecode.models.store import home
 from specdecode.policy import machine
-from specdecode.policy.adaptive import expected_tokens
+from specdecode.policy.adaptive import PROBE_PAYS, expected_tokens
 from specdecode.policy.costs import measure_passes
 from specdecode.policy.probe import shape_of
 
@@ -95,7 +96,7 @@ class GoodputController:
             self.k, self.gain = 0, 1.0
             return 0
         k, self.gain = best_batch_k(alphas, self.pass_costs, self.draft_token_s, self.k_max, others)
-        if k == 0:
+        if k == 0 and self._could_pay(len(alphas), others):
             self.steps_off += 1
             if self.steps_off % self.probe_every == 0:
                 k = 1  # a cheap look: does drafting pay again?
@@ -103,6 +104,11 @@ class GoodputController:
             self.steps_off = 0
         self.k = k
         return k
+
+    def _could_pay(self, size: int, others: Sequence[int]) -> bool:
+        """Whether drafts always accepted would gain enough to be worth a probe: in a batch
+        that fills the pass, a probe's extra rows cost more than any acceptance could bring."""
+        return best_batch_k([1.0] * size, self.pass_costs, self.draft_token_s, self.k_max, others)[1] >= PROBE_PAYS
 
 
 # Rows of the passes timed: up to a batch of 16 drafting 7 each, geometric past 8.
