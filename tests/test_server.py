@@ -137,6 +137,7 @@ def test_stop_strings_and_seeded_sampling(client):
     ('{"prompt": "hello", "max_tokens": "lots"}', 400, "max_tokens"),
     ('{"prompt": "hello", "top_p": 0}', 400, "top_p"),
     ('{"prompt": "hello", "speculative": 0}', 400, "speculative"),
+    ('{"prompt": "hello", "speculative": 12}', 400, "at most 8"),
     ('{"messages": []}', 400, "messages"),
 ])
 def test_bad_input_gets_its_4xx_and_the_server_goes_on(server, body, status, words):

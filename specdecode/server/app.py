@@ -189,6 +189,9 @@ def _job(service: Service, body, prompt_ids: list[int], deliver) -> Job:
         raise BadRequest(400, f"max_tokens {budget} and the prompt's {len(prompt_ids)} tokens exceed the context of "
                               f"{service.context_len}", "max_tokens", "context_length_exceeded")
     mode = body.speculation_mode
+    if mode not in (AUTO, False) and mode > service.k_max:  # a longer pass could round rows differently
+        raise BadRequest(400, f"speculative: this server drafts at most {service.k_max} tokens a round (--k-max)",
+                         "speculative")
     drafter = None if mode is False or service.new_drafter is None else service.new_drafter()
     k_max = 0 if drafter is None else service.k_max if mode is AUTO else mode
     # the controller reads each sequence's acceptance from the adaptive policy's estimate
