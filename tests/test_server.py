@@ -270,3 +270,32 @@ def test_soak_with_clients_leaving_mid_stream(smollm2_folder, tmp_path):
     finally:
         process.terminate()
         process.wait(60)
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle"])
+def test_tree_drafters_serve_one_sequence_at_a_time(smollm2_folder, tmp_path, drafter):
+    from specdecode.api import generate
+
+    process, url = start_server(tmp_path, "--drafter", drafter, "--max-batch", "1")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        async def two_at_once():
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as aclient:
+                return await asyncio.gather(*(aclient.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=b, temperature=0)
+                    for p, b in zip(PROMPTS[:2], BUDGETS[:2])))
+
+        for prompt, budget, reply in zip(PROMPTS[:2], BUDGETS[:2], asyncio.run(two_at_once())):
+            assert reply.choices[0].message.content == generate(prompt, MODEL, max_new_tokens=budget, temperature=0).text
+            assert reply.model_extra["speculation"]["rounds"] > 0
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=BUDGETS[0], temperature=0,
+            stream=True) if c.choices)
+        assert streamed == generate(PROMPTS[0], MODEL, max_new_tokens=BUDGETS[0], temperature=0).text
+        with pytest.raises(openai.BadRequestError, match="k does not apply"):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body={"speculative": 3})
+        assert metric(url, "request_success_total") == 3
+    finally:
+        process.terminate()
+        process.wait(60)

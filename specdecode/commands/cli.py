@@ -452,8 +452,10 @@ def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible server: continuous batching, speculation where it pays")
     p.add_argument("--target", default=DEFAULT_TARGET, help="target model (registry name or path)")
     p.add_argument("--draft", help="draft model (registry name or path); implies --drafter draft-model")
-    p.add_argument("--drafter", choices=("prompt-lookup", "draft-model", "none"), default=None,
-                   help="prompt-lookup (default without --draft), draft-model, or none (plain decoding only)")
+    p.add_argument("--drafter", choices=("prompt-lookup", "draft-model", "medusa", "eagle", "none"), default=None,
+                   help="prompt-lookup (default without --draft), draft-model, medusa or eagle (trees: one "
+                        "sequence at a time), or none (plain decoding only)")
+    p.add_argument("--heads", help="the Medusa heads' or EAGLE head's folder (default: trained or shipped ones)")
     p.add_argument("--dtype", default=None, help=DTYPE_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -482,6 +484,10 @@ def check_serve(args) -> str:
         raise SpecDecodeError(f"--draft names a draft model; it does not go with --drafter {drafter}")
     if drafter == "draft-model" and not args.draft:
         raise SpecDecodeError("--drafter draft-model needs --draft MODEL")
+    if args.heads is not None and drafter not in ("medusa", "eagle"):
+        raise SpecDecodeError("--heads goes with --drafter medusa or eagle")
+    if drafter in ("medusa", "eagle") and args.max_batch != 1:
+        raise SpecDecodeError(f"--drafter {drafter} verifies trees one sequence at a time: pass --max-batch 1")
     return drafter
 
 

@@ -18,7 +18,7 @@ import uvicorn
 
 from specdecode.api import load_model
 from specdecode.drafters import DraftModel, PromptLookup
-from specdecode.plan import make_draft_model
+from specdecode.plan import make_draft_model, make_drafter
 from specdecode.policy import goodput
 from specdecode.policy.probe import measured_costs
 from specdecode.server.app import Service, create_app
@@ -38,25 +38,29 @@ def build_service(args, drafter_name: str):
     pass_costs = goodput.measured(model, min(MAX_PASS_ROWS, args.max_batch * (k_max + 1)))
     if drafter_name == "prompt-lookup":
         new_drafter = PromptLookup
+    elif drafter_name in ("medusa", "eagle"):  # one sequence at a time: one drafter serves them all
+        shared = make_drafter(target, drafter_name, None, args.dtype, args.heads)
+        new_drafter = lambda: shared
     elif drafter_name == "draft-model":
         draft = make_draft_model(target, load_model(args.draft, args.dtype)).model
         new_drafter = lambda: DraftModel(draft, model.vocab_size, max_len=1024)  # grows when a context needs it
         draft_token_s = measured_costs(model, draft).draft_ratio * pass_costs(1)
     name = args.served_model_name or args.target
     metrics = ServerMetrics(name)
-    controller = goodput.GoodputController(pass_costs, k_max, draft_token_s) if new_drafter else None
+    tree = drafter_name in ("medusa", "eagle")
+    controller = goodput.GoodputController(pass_costs, k_max, draft_token_s) if new_drafter and not tree else None
     scheduler = Scheduler(model, controller, metrics, args.max_batch, args.max_queue)
     context = min(args.max_context, model.max_position_embeddings)
     return Service(scheduler, target.tokenizer, name, frozenset(target.info.eos_token_ids), context, new_drafter,
-                   k_max, args.default_max_tokens, args.api_key, args.max_body_bytes)
+                   k_max, args.default_max_tokens, args.api_key, args.max_body_bytes, tree)
 
 
 def run(args, drafter_name: str) -> int:
     """Serve until SIGTERM or ^C; the flags were checked (cli.check_serve)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     service = build_service(args, drafter_name)
-    speculation = ("off" if service.new_drafter is None
-                   else f"{drafter_name}, k chosen per step up to {service.k_max}")
+    speculation = ("off" if service.new_drafter is None else f"{drafter_name} trees, one sequence at a time"
+                   if service.tree else f"{drafter_name}, k chosen per step up to {service.k_max}")
     print(f"serving {service.model_name} at http://{args.host}:{args.port}/v1 (speculation: {speculation}; "
           f"batch up to {args.max_batch}, context {service.context_len})", flush=True)
     uvicorn.run(create_app(service), host=args.host, port=args.port, log_level="warning")

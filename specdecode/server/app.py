@@ -52,6 +52,7 @@ class Service:
     default_max_tokens: int = 256
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
+    tree: bool = False  # the drafter proposes trees (Medusa, EAGLE): one sequence at a time
 
 
 class BadRequest(Exception):
@@ -189,6 +190,9 @@ def _job(service: Service, body, prompt_ids: list[int], deliver) -> Job:
         raise BadRequest(400, f"max_tokens {budget} and the prompt's {len(prompt_ids)} tokens exceed the context of "
                               f"{service.context_len}", "max_tokens", "context_length_exceeded")
     mode = body.speculation_mode
+    if service.tree and mode not in (AUTO, False):
+        raise BadRequest(400, "speculative: this server drafts trees, whose shape is fitted to this machine; "
+                              "a fixed k does not apply", "speculative")
     if mode not in (AUTO, False) and mode > service.k_max:  # a longer pass could round rows differently
         raise BadRequest(400, f"speculative: this server drafts at most {service.k_max} tokens a round (--k-max)",
                          "speculative")
@@ -220,7 +224,7 @@ async def _serve(service: Service, body, request: Request, prompt_ids: list[int]
     text = TextDeltas(service.tokenizer, body.stop_strings)
     first = await _next(events, request, job, service.scheduler)
     if isinstance(first, Failed):
-        raise BadRequest(400 if "prompt" in first.message or "context" in first.message else 500, first.message)
+        raise BadRequest(first.status, first.message)
     if body.stream:
         return StreamingResponse(_stream(service, events, job, reply, text, first, body.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -9,6 +9,8 @@ goodput controller's k for this batch, policy/goodput.py), a fixed k, or none.
 Everything a request needs to hear (its rounds, its end, or a failure) goes through its
 `deliver` callback, which the web layer makes thread-safe. A failure inside a step fails
 the sequences of that step with a message and leaves the loop running.
+A request with a tree drafter (Medusa, EAGLE) runs through `engine.decode`, one round per
+step, in a batch of one (the server is started with --max-batch 1 for them).
 Left out: prefill in chunks interleaved with decoding (a long prompt holds the batch
 back while it is read), and preemption when memory runs short.
 """
@@ -20,10 +22,11 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from specdecode.core.batch import Sequence, prefill, step
-from specdecode.core.events import Round, Stats
+from specdecode.core.engine import decode
+from specdecode.core.events import Done, Round, Stats
 from specdecode.errors import SpecDecodeError
 from specdecode.policy.goodput import GoodputController
 from specdecode.server.metrics import ServerMetrics
@@ -46,6 +49,7 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    status: int = 500  # 400: the request's fault (a SpecDecodeError), 500: the server's
 
 
 @dataclass
@@ -56,6 +60,11 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
     last_token_at: float | None = None
+    alone: Iterator | None = None  # a tree drafter's generation (engine.decode), one round per step
+
+    @property
+    def is_tree(self) -> bool:
+        return self.seq.drafter is not None and self.seq.drafter.is_tree
 
     def k(self, auto_k: int) -> int:
         if self.seq.drafter is None or self.mode is False:
@@ -138,10 +147,18 @@ class Scheduler:
         if job.cancelled:
             self.metrics.aborted.inc()
             return
+        if job.is_tree:
+            seq = job.seq
+            job.alone = decode(self.target, seq.prompt_ids, seq.stop, seq.sampling, seq.drafter, 0, seq.generator)
+            if self._advance_alone(job):
+                self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+                self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
+                self.running.append(job)
+            return
         try:
             first = prefill(self.target, job.seq)
         except SpecDecodeError as error:
-            job.deliver(Failed(str(error)))
+            job.deliver(Failed(str(error), 400))
             return
         except Exception as error:
             log.exception("a prefill failed")
@@ -160,7 +177,34 @@ class Scheduler:
                 self.metrics.aborted.inc()
         self.running = [job for job in self.running if not job.cancelled]
 
+    def _advance_alone(self, job: Job) -> bool:
+        """One event of a tree job's generation; whether it goes on."""
+        try:
+            event = next(job.alone)
+        except Exception as error:  # SpecDecodeError: a bad request; anything else: a fault
+            job.deliver(Failed(str(error), 400) if isinstance(error, SpecDecodeError)
+                        else Failed(f"decoding failed: {error}"))
+            return False
+        now = time.perf_counter()
+        if isinstance(event, Done):
+            job.seq.finish_reason, job.seq.stats = event.reason, event.stats
+            self.metrics.finish(event.reason)
+            job.deliver(Finished(event.reason, event.stats))
+            return False
+        job.seq.new_tokens += event.token_ids
+        self.metrics.observe_round(event.num_drafted, event.num_accepted)
+        gap = None if job.last_token_at is None else now - job.last_token_at
+        self.metrics.observe_tokens(len(event.token_ids), gap)
+        job.last_token_at = now
+        job.deliver(event)
+        return True
+
     def _step(self) -> None:
+        trees = [job for job in self.running if job.is_tree]
+        if trees:  # a batch of one (serve sets --max-batch 1 for tree drafters)
+            self.metrics.step(len(self.running), True)
+            self.running = [job for job in self.running if not job.is_tree or self._advance_alone(job)]
+            return
         auto = [job for job in self.running if job.mode is AUTO and job.seq.drafter is not None]
         auto_k = 0
         if auto and self.controller is not None:
