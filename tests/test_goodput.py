@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 
 from specdecode.policy import goodput
-from specdecode.policy.goodput import GoodputController, PassCosts, batch_rate, best_batch_k
+from specdecode.policy.goodput import GoodputController, PassCosts, best_draft_lengths
 
 # Passes that cost the same up to 8 rows, then grow with every row (a CPU where a pass is
 # bound by its weights up to 8 rows and by arithmetic past them), in seconds.
 KNEE = PassCosts({1: 0.1, 8: 0.1, 16: 0.2, 64: 0.8})
+STEEP = PassCosts({1: 0.1, 2: 0.15, 64: 3.2})  # every row adds half a one-row pass
 
 
 def test_pass_costs_interpolate_extend_and_never_fall():
@@ -21,35 +22,47 @@ def test_pass_costs_interpolate_extend_and_never_fall():
 
 
 def test_alone_drafting_pays_in_a_full_batch_it_does_not():
-    k_alone, gain_alone = best_batch_k([0.8], KNEE, 0.0, 8)
-    assert k_alone == 7 and gain_alone == pytest.approx((1 - 0.8 ** 8) / 0.2)  # 8 rows cost one row's pass
-    k_full, gain_full = best_batch_k([0.8] * 8, KNEE, 0.0, 8)
-    assert k_full == 0 and gain_full == 1.0  # 8 rows already fill the free part of the pass
+    alone, gain_alone = best_draft_lengths([0.8], KNEE, 0.0, 8)
+    assert alone == [7] and gain_alone == pytest.approx((1 - 0.8 ** 8) / 0.2)  # 8 rows cost one row's pass
+    full, gain_full = best_draft_lengths([0.8] * 8, KNEE, 0.0, 8)
+    assert full == [0] * 8 and gain_full == 1.0  # 8 rows already fill the free part of the pass
+
+
+def test_sequences_accepted_more_draft_further():
+    lengths, gain = best_draft_lengths([0.9, 0.2, 0.2, 0.2], KNEE, 0.0, 8)
+    # 4 free rows: the next drafts worth most are 0.9, 0.81, 0.729, 0.656 (all the first one's)
+    assert lengths == [4, 0, 0, 0]
+    assert gain == pytest.approx((4 + 0.9 + 0.81 + 0.729 + 0.6561) / 4)
+    uniform = max(sum((1 - a ** (k + 1)) / (1 - a) for a in (0.9, 0.2, 0.2, 0.2)) / KNEE(4 * (k + 1))
+                  for k in range(9)) / (4 / KNEE(4))
+    assert gain > uniform  # one k for all would do worse
 
 
 def test_a_draft_models_cost_per_token_shortens_the_draft():
-    free, _ = best_batch_k([0.7], KNEE, 0.0, 8)
-    costly, _ = best_batch_k([0.7], KNEE, 0.05, 8)  # each draft token costs half a target pass
-    assert costly < free
-    assert best_batch_k([0.3], KNEE, 0.05, 8)[0] == 0
+    free, _ = best_draft_lengths([0.7], KNEE, 0.0, 8)
+    costly, _ = best_draft_lengths([0.7], KNEE, 0.05, 8)  # each draft token costs half a target pass
+    assert costly[0] < free[0]
+    assert best_draft_lengths([0.3], KNEE, 0.05, 8)[0] == [0]
 
 
 def test_sequences_the_controller_does_not_steer_count_their_rows():
-    alone = batch_rate([0.8], 3, KNEE, 0.0)
-    beside = batch_rate([0.8], 3, KNEE, 0.0, others=[1] * 6)  # six plain sequences: 4 + 6 rows > 8
-    assert alone == pytest.approx((1 + 0.8 + 0.64 + 0.512) / 0.1)
-    assert beside == pytest.approx((1 + 0.8 + 0.64 + 0.512 + 6) / KNEE(10))
+    alone, _ = best_draft_lengths([0.8], KNEE, 0.0, 8)
+    beside, gain = best_draft_lengths([0.8], KNEE, 0.0, 8, others=[1] * 5)  # 5 plain rows: 2 rows left free
+    assert alone == [7] and beside == [2]
+    assert gain == pytest.approx((6 + 0.8 + 0.64) / 6)
 
 
 def test_the_controller_switches_off_probes_and_comes_back():
     controller = GoodputController(KNEE, k_max=8, probe_every=4)
-    assert controller.choose([0.8]) == 7 and controller.gain > 3
+    assert controller.choose([0.8]) == [7] and controller.gain > 3 and controller.k == 7
+    controller.pass_costs = STEEP
     low = [controller.choose([0.05] * 6) for _ in range(8)]
-    assert low == [0, 0, 0, 1, 0, 0, 0, 1]  # off, with a one-token look every 4 steps
+    assert low == [[0] * 6] * 3 + [[1] * 6] + [[0] * 6] * 3 + [[1] * 6]  # off, a one-token look every 4 steps
+    controller.pass_costs = KNEE
     full = [controller.choose([0.8] * 16) for _ in range(8)]
-    assert full == [0] * 8  # even drafts always accepted would not pay here: no probe
-    assert controller.choose([0.8, 0.8]) > 0  # the batch shrank: drafting pays again
-    assert GoodputController(KNEE, k_max=0).choose([0.9]) == 0
+    assert full == [[0] * 16] * 8  # even drafts always accepted would not pay here: no probe
+    assert max(controller.choose([0.8, 0.8])) > 0  # the batch shrank: drafting pays again
+    assert GoodputController(KNEE, k_max=0).choose([0.9]) == [0]
 
 
 def test_measured_costs_are_cached_and_read_back(tmp_path, monkeypatch, tiny_llama):

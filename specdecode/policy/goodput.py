@@ -3,15 +3,15 @@
 Alone, a verify pass over k+1 rows costs little more than one row: decoding waits on the
 weights, and the extra rows ride along. A batch of B sequences already fills a pass with
 B rows, so speculation adds B·k rows to a pass whose cost now grows with every row, and
-its gain shrinks as concurrency rises. Each step the controller picks the k that
-maximises expected goodput
+its gain shrinks as concurrency rises. Each step the controller picks each sequence's
+draft length k_i to maximise expected goodput
 
-    rate(k) = Σ_i E(α_i, k) / (V(B·(k+1)) + B·k·d)
+    rate = Σ_i E(α_i, k_i) / (V(B + Σ k_i) + Σ k_i · d)
 
 over the batch's sequences i with acceptance α_i (adaptive.expected_tokens), the
 measured time V(n) of a pass over n rows on this machine (`measure`/`measured`, cached
 like the single-sequence probe) and the drafter's time per draft token d (0 for prompt
-lookup). k = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
+lookup). All k_i = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
 it switches off, probing k = 1 every `probe_every` steps so that a batch that turns
 repetitive gets it back, unless even drafts always accepted would not pay at this batch
 size (then a probe only costs; a batch that shrinks is judged afresh each step). Acceptance per sequence is the adaptive policy's
@@ -29,7 +29,7 @@ from typing import Sequence
 
 from specdecode.models.store import home
 from specdecode.policy import machine
-from specdecode.policy.adaptive import PROBE_PAYS, expected_tokens
+from specdecode.policy.adaptive import PROBE_PAYS
 from specdecode.policy.costs import measure_passes
 from specdecode.policy.probe import shape_of
 
@@ -62,22 +62,29 @@ class PassCosts:
         return self.seconds[hi] + slope * (rows - hi)  # past the last size: its last slope
 
 
-def batch_rate(alphas: Sequence[float], k: int, pass_costs: PassCosts, draft_token_s: float,
-               others: Sequence[int] = ()) -> float:
-    """Expected tokens per second of a batch step that drafts k for every sequence of
-    acceptance alphas, beside sequences the controller does not steer (`others`: their rows,
-    each emitting a token or more)."""
-    tokens = sum(expected_tokens(a, k) for a in alphas) + len(others)
-    rows = len(alphas) * (k + 1) + sum(others)
-    return tokens / (pass_costs(rows) + len(alphas) * k * draft_token_s)
+def best_draft_lengths(alphas: Sequence[float], pass_costs: PassCosts, draft_token_s: float, k_max: int,
+                       others: Sequence[int] = ()) -> tuple[list[int], float]:
+    """Each sequence's draft length, maximising the batch's expected tokens per second, and
+    that rate over plain decoding's (1.0: drafting off), beside sequences the controller does
+    not steer (`others`: their rows, each emitting a token or more).
 
-
-def best_batch_k(alphas: Sequence[float], pass_costs: PassCosts, draft_token_s: float, k_max: int,
-                 others: Sequence[int] = ()) -> tuple[int, float]:
-    """(k, its rate over plain decoding's) for the batch; k = 0: drafting off."""
-    rates = [batch_rate(alphas, k, pass_costs, draft_token_s, others) for k in range(k_max + 1)]
-    k = max(range(k_max + 1), key=lambda i: rates[i])
-    return k, rates[k] / rates[0]
+    The j-th draft of sequence i adds α_i^j expected tokens (E(α, k) = Σ α^j, j ≤ k) and one
+    row to the pass. So the best use of r extra rows is the r largest α_i^j, and since α_i^j
+    falls with j, each sequence's share is a prefix of its drafts: sequences that are
+    accepted more draft further. The best r is the one with the highest rate."""
+    base_rows, tokens = len(alphas) + sum(others), float(len(alphas) + len(others))
+    plain = tokens / pass_costs(base_rows)
+    gains = sorted(((a ** j, i) for i, a in enumerate(alphas) for j in range(1, k_max + 1)), reverse=True)
+    best_rows, best_rate = 0, plain
+    for rows, (gain, _) in enumerate(gains, 1):
+        tokens += gain
+        rate = tokens / (pass_costs(base_rows + rows) + rows * draft_token_s)
+        if rate > best_rate:
+            best_rows, best_rate = rows, rate
+    lengths = [0] * len(alphas)
+    for _, i in gains[:best_rows]:
+        lengths[i] += 1
+    return lengths, best_rate / plain
 
 
 @dataclass
@@ -87,28 +94,29 @@ class GoodputController:
     draft_token_s: float = 0.0
     probe_every: int = 16
     steps_off: int = field(default=0, init=False)
-    k: int = field(default=0, init=False)  # the last decision, for the metrics
+    k: int = field(default=0, init=False)  # the longest draft of the last step, for the metrics
     gain: float = field(default=1.0, init=False)  # its expected rate over plain decoding
 
-    def choose(self, alphas: Sequence[float], others: Sequence[int] = ()) -> int:
-        """k for the sequences of acceptance alphas in a step, beside others (batch_rate)."""
+    def choose(self, alphas: Sequence[float], others: Sequence[int] = ()) -> list[int]:
+        """The draft length of each sequence of acceptance alphas in a step, beside others
+        (best_draft_lengths)."""
         if not alphas or self.k_max < 1:
             self.k, self.gain = 0, 1.0
-            return 0
-        k, self.gain = best_batch_k(alphas, self.pass_costs, self.draft_token_s, self.k_max, others)
-        if k == 0 and self._could_pay(len(alphas), others):
+            return [0] * len(alphas)
+        lengths, self.gain = best_draft_lengths(alphas, self.pass_costs, self.draft_token_s, self.k_max, others)
+        if not any(lengths) and self._could_pay(len(alphas), others):
             self.steps_off += 1
             if self.steps_off % self.probe_every == 0:
-                k = 1  # a cheap look: does drafting pay again?
-        else:
+                lengths = [1] * len(alphas)  # a cheap look: does drafting pay again?
+        elif any(lengths):
             self.steps_off = 0
-        self.k = k
-        return k
+        self.k = max(lengths)
+        return lengths
 
     def _could_pay(self, size: int, others: Sequence[int]) -> bool:
         """Whether drafts always accepted would gain enough to be worth a probe: in a batch
         that fills the pass, a probe's extra rows cost more than any acceptance could bring."""
-        return best_batch_k([1.0] * size, self.pass_costs, self.draft_token_s, self.k_max, others)[1] >= PROBE_PAYS
+        return best_draft_lengths([1.0] * size, self.pass_costs, self.draft_token_s, self.k_max, others)[1] >= PROBE_PAYS
 
 
 # Rows of the passes timed: up to a batch of 16 drafting 7 each, geometric past 8.

@@ -36,8 +36,8 @@ class ServerMetrics:
         self.waiting = make(Gauge, "num_requests_waiting", "Requests queued for a place in the batch")
         self.batch_size = make(Histogram, "batch_size", "Sequences per decoding step",
                                buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
-        self.controller_k = make(Gauge, "spec_decode_controller_k", "Draft length the goodput controller chose "
-                                 "for the last step (0: speculation off)")
+        self.controller_k = make(Gauge, "spec_decode_controller_k", "The longest draft the goodput controller "
+                                 "chose for the last step (0: speculation off)")
         self.controller_gain = make(Gauge, "spec_decode_controller_expected_gain",
                                     "Goodput the controller expected of its k, over plain decoding of the batch")
         self.steps = make(Counter, "decode_steps", "Batched target passes after prefill", ["speculation"])

@@ -67,6 +67,7 @@ class Job:
         return self.seq.drafter is not None and self.seq.drafter.is_tree
 
     def k(self, auto_k: int) -> int:
+        """This step's draft length, given the one the controller chose for it."""
         if self.seq.drafter is None or self.mode is False:
             return 0
         return auto_k if self.mode is AUTO else int(self.mode)
@@ -206,13 +207,14 @@ class Scheduler:
             self.running = [job for job in self.running if not job.is_tree or self._advance_alone(job)]
             return
         auto = [job for job in self.running if job.mode is AUTO and job.seq.drafter is not None]
-        auto_k = 0
+        chosen = {}
         if auto and self.controller is not None:
             others = [1 + job.k(0) for job in self.running if job not in auto]
-            auto_k = self.controller.choose([job.seq.policy.alpha for job in auto], others)
+            lengths = self.controller.choose([job.seq.policy.alpha for job in auto], others)
+            chosen = {id(job): k for job, k in zip(auto, lengths)}
             self.metrics.controller_k.set(self.controller.k)
             self.metrics.controller_gain.set(self.controller.gain)
-        ks = [job.k(auto_k) for job in self.running]
+        ks = [job.k(chosen.get(id(job), 0)) for job in self.running]
         rounds = step(self.target, [job.seq for job in self.running], ks)
         self.metrics.step(len(self.running), any(ks))
         now = time.perf_counter()
