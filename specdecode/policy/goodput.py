@@ -31,7 +31,7 @@ from specdecode.models.store import home
 from specdecode.policy import machine
 from specdecode.policy.adaptive import PROBE_PAYS
 from specdecode.policy.costs import measure_passes
-from specdecode.policy.probe import shape_of
+from specdecode.policy.probe import shape_of, write_figures
 
 log = logging.getLogger("specdecode")
 
@@ -141,8 +141,5 @@ def measured(target_model, most_rows: int) -> PassCosts:
         log.warning(f"measuring this machine's target passes over 1-{most_rows} rows, once (seconds to a minute)...")
     seconds = measure_passes({str(n): (target_model, n) for n in rows}, PROBE_CONTEXT, PROBE_REPEATS)
     figures = {"pass_seconds": {n: seconds[str(n)] for n in rows}, "machine": machine.fingerprint()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(figures, indent=1))
-    partial.replace(path)  # never a half-written file
+    write_figures(path, figures)
     return PassCosts.monotone(figures["pass_seconds"])

@@ -73,8 +73,13 @@ def measured_costs(target_model, draft_model=None) -> CostModel:
         log.warning("measuring this machine's verify and draft costs, once (a few seconds)...")
         figures = measure(target_model, draft_model)
         verify, draft_step = figures["verify_seconds"], figures["draft_step_s"]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        partial.write_text(json.dumps(figures, indent=1))
-        partial.replace(path)  # never a half-written file
+        write_figures(path, figures)
     return cost_model(verify, draft_step or 0.0)
+
+
+def write_figures(path: Path, figures: dict) -> None:
+    """Cache measured figures as JSON; never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(figures, indent=1))
+    partial.replace(path)

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from specdecode.core.stopping import StopCondition
+
 
 class TextDeltas:
     def __init__(self, tokenizer, stop_strings: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop_strings = tuple(stop_strings)
+        self.stop = StopCondition(stop_strings=self.stop_strings, tokenizer=tokenizer)
         self.tokens: list[int] = []
         self.sent = 0  # characters already sent
 
     def text(self) -> str:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cuts = [text.find(s) for s in self.stop_strings if s in text]
-        return text[: min(cuts)] if cuts else text
+        return self.stop.cut_text(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
 
     def add(self, tokens: Sequence[int], final: bool = False) -> str:
         self.tokens.extend(tokens)
