@@ -25,6 +25,8 @@ Left out: sampling-temperature-specific acceptance (measured greedy), tree shape
 
 from __future__ import annotations
 
+import time
+
 import torch
 from tqdm import tqdm
 
