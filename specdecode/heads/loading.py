@@ -17,6 +17,7 @@ from typing import Callable
 
 from specdecode.errors import SpecDecodeError
 from specdecode.heads import draft_vocab, refit
+from specdecode.heads.eagle import exchange
 from specdecode.heads.eagle import model as eagle
 from specdecode.heads.eagle.drafter import EagleDrafter
 from specdecode.heads.medusa import model as medusa
@@ -48,6 +49,8 @@ def medusa_drafter(target: LoadedModel, heads: str | None = None) -> MedusaDraft
 def eagle_drafter(target: LoadedModel, head: str | None = None) -> EagleDrafter:
     """An EAGLE head from a folder, or the one trained (or shipped) for this target."""
     folder = head or eagle.find(target.info.source, target.info.folder)
+    if head is not None and not (Path(head) / eagle.CONFIG_FILE).is_file() and (Path(head) / "config.json").is_file():
+        return foreign_eagle_drafter(target, Path(head))
     trained = eagle.load(folder)
     sha = trained.config.target_sha256
     if sha and target.info.sha256 and sha != target.info.sha256:
@@ -58,8 +61,18 @@ def eagle_drafter(target: LoadedModel, head: str | None = None) -> EagleDrafter:
         trained = eagle.load(refitted)
     shape = trained.config.tree  # chosen when training from measured acceptance and costs
     return EagleDrafter(target.model, trained, **{k: shape[k] for k in ("depth", "top_k", "num_nodes") if k in shape},
-                        vocab=draft_vocab.for_target(target, trained.draft_vocab),
+                        vocab=trained.vocabulary(target),
                         gate=tree_gate(shape.get("expected_tokens"), shape.get("expected_speedup")))
+
+
+def foreign_eagle_drafter(target: LoadedModel, folder: Path) -> EagleDrafter:
+    """A head in vLLM's speculators or the EAGLE layout, used as it is: a chain as long as
+    its config proposes, always on; `specdecode import eagle` fits its tree and gate here."""
+    trained, meta = exchange.match_target(*exchange.read(folder), target)
+    depth = int(meta["speculative_tokens"] or 3)
+    warnings.warn(f"the head in {folder} drafts a chain of {depth}, unfitted to this machine; "
+                  f"`specdecode import eagle {folder} --target {target.info.source}` fits its tree here", stacklevel=3)
+    return EagleDrafter(target.model, trained, depth=depth, top_k=1, num_nodes=depth, vocab=trained.vocabulary(target))
 
 
 def fit_to_machine(what: str, kind: str, fitted_on: dict | None, given: str | None,

@@ -64,7 +64,7 @@ def refit_eagle(target, folder: Path, out: str | Path | None = None, log=print) 
         raise SpecDecodeError(f"the head in {folder} stores no held-out accuracy to choose a shape from; "
                               "train it again with `specdecode train eagle`")
     log(f"head from {folder}")
-    vocab = draft_vocab.for_target(target, trained.draft_vocab)
+    vocab = trained.vocabulary(target)
     kept = {k: v for k, v in trained.config.tree.items() if k == artifacts.REFIT_KEY}  # a refit's refit
     trained.config.tree = shape_for(target.model, trained, vocab, accuracy, log) | kept | _source(folder)
     return eagle.save(Path(out) if out else eagle.default_dir(target.info.folder), trained.float())

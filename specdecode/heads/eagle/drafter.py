@@ -30,7 +30,7 @@ from specdecode.heads.draft_vocab import DraftVocab
 from specdecode.errors import SpecDecodeError
 from specdecode.core.sampling import SamplingConfig
 from specdecode.core.trees import build_tree
-from specdecode.heads.eagle.model import HeadCache
+from specdecode.heads.eagle.parts import HeadCache
 from specdecode.drafters.base import TreeDrafter, TreeProposal
 
 
@@ -46,7 +46,8 @@ class EagleDrafter(TreeDrafter):
                                   f"the target has {target.config.hidden_size}")
         self.target, self.head = target, head.to(target.dtype).pack_for_drafting()
         self.depth, self.top_k, self.num_nodes = depth, top_k, num_nodes
-        self.vocab = vocab or DraftVocab(target.lm_head)
+        # the LM head it drafts through: the target's (fused layout) or its own (EAGLE-3)
+        self.vocab = vocab or (DraftVocab(target.lm_head) if head.config.layout == "fused" else head.vocabulary(target))
         self.tree_gate = gate  # None: draft every round
         self.max_nodes = num_nodes + 1
         self.target_layers = self.head.layers(target.config.num_layers)
@@ -129,7 +130,7 @@ class EagleDrafter(TreeDrafter):
     def _add_children(self, predicted, parent_scores, parents, node_token, node_parent, node_score,
                       node_depth) -> None:
         """Each parent's top_k tokens under the LM head of its predicted feature."""
-        logprobs = self.vocab.logits(predicted).float().log_softmax(dim=-1)  # (P, V)
+        logprobs = self.vocab.logits(self.head.readout(predicted)).float().log_softmax(dim=-1)  # (P, V)
         top = logprobs.topk(self.top_k, dim=-1)
         tokens = self.vocab.tokens(top.indices)
         for row, parent in enumerate(parents):

@@ -10,15 +10,17 @@ turns its predicted feature into the distribution of x_{j+2}. It runs autoregres
 its own predictions for deeper tokens, with its own small KV cache (`HeadCache`), rewound
 like the target's. The embedding and LM head are the target's own (frozen, not stored).
 
-The artifact is a folder with `eagle.safetensors` and `eagle.json`, stored beside the
-target's cached weights by `specdecode train eagle`.
+This is the "fused" layout, which exports to no other engine; eagle3.py holds the one
+they load. The artifact of either is a folder with `eagle.safetensors` and `eagle.json`
+(its `layout` says which), stored beside the target's cached weights by `specdecode
+train eagle`; `save`, `load` and `find` here serve both.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Sequence
 
@@ -26,69 +28,18 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from specdecode.heads.draft_vocab import ARTIFACT_KEY
+from specdecode.heads import draft_vocab
+from specdecode.heads.draft_vocab import ARTIFACT_KEY, DraftVocab
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.artifacts import find_artifact
+from specdecode.heads.eagle import eagle3
+from specdecode.heads.eagle.parts import EagleConfig, HeadCache, check_feature_layers, rms_norm, rope
 from specdecode.models.linear import Linear
+
+__all__ = ["EagleConfig", "EagleHead", "HeadCache", "check_feature_layers", "new_head", "save", "load", "find"]
 
 WEIGHTS_FILE = "eagle.safetensors"
 CONFIG_FILE = "eagle.json"
-
-
-@dataclass
-class EagleConfig:
-    target: str
-    target_sha256: str | None
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    training: dict = field(default_factory=dict)
-    # the dynamic tree for this machine: depth, top_k, num_nodes (+ the measurements behind them)
-    tree: dict = field(default_factory=dict)
-    # The target layers the head reads. Empty: the final normed layer alone (EAGLE-1 and
-    # -2). Two or more: their hidden states fused by a product (EAGLE-3 reads a low, a middle
-    # and a high layer), for the target's positions; drafted positions read the head's own.
-    feature_layers: list[int] = field(default_factory=list)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-class HeadCache:
-    """Keys and values (1, nkv, S, hd) of the head's positions; rewind drops the last n."""
-
-    def __init__(self):
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
-
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = keys if self.keys is None else torch.cat([self.keys, keys], dim=2)
-        self.values = values if self.values is None else torch.cat([self.values, values], dim=2)
-        return self.keys, self.values
-
-    def truncate(self, length: int) -> None:
-        if self.keys is not None:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x = x.float()
-    x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return x if weight is None else x * weight
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class EagleHead(torch.nn.Module):
@@ -125,7 +76,7 @@ class EagleHead(torch.nn.Module):
         if len(layers) == 1:
             return hidden[layers[0]]
         dtype = hidden[layers[0]].dtype
-        units = [_rms_norm(hidden[layer], None, self.config.rms_norm_eps).to(dtype) for layer in layers]
+        units = [rms_norm(hidden[layer], None, self.config.rms_norm_eps).to(dtype) for layer in layers]
         return self._product("fuse_layers", torch.cat(units, dim=-1))
 
     def pack_for_drafting(self) -> "EagleHead":
@@ -154,13 +105,10 @@ class EagleHead(torch.nn.Module):
         T = features.shape[0]
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         x = self._product("fuse", torch.cat([features, embeds], dim=-1))  # (T, H)
-        h = _rms_norm(x, self.attn_norm, c.rms_norm_eps)
+        h = rms_norm(x, self.attn_norm, c.rms_norm_eps)
         q, k, v = self._product("qkv", h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k, v = (t.view(T, -1, hd).transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, T, hd)
-        freqs = positions.float()[:, None] * self.inv_freq[None]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = rope(q, k, positions, self.inv_freq)
         past = 0
         if cache is not None:
             past = cache.length
@@ -171,18 +119,18 @@ class EagleHead(torch.nn.Module):
         v = v.repeat_interleave(nh // nkv, dim=1)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])  # (1, nh, T, hd)
         x = x + self._product("o", attn[0].transpose(0, 1).reshape(T, nh * hd))
-        gate, up = self._product("gate_up", _rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
+        gate, up = self._product("gate_up", rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
         x = x + self._product("down", F.silu(gate) * up)
-        return _rms_norm(x, self.out_norm, c.rms_norm_eps)
+        return rms_norm(x, self.out_norm, c.rms_norm_eps)
 
+    def vocabulary(self, target) -> DraftVocab:
+        """The LM head it drafts through: the target's rows for its draft vocabulary
+        (`target`: a models.load.LoadedModel)."""
+        return draft_vocab.for_target(target, self.draft_vocab)
 
-def check_feature_layers(layers: Sequence[int], num_layers: int | None = None) -> None:
-    """Fused layers are two or more distinct ones, within the target's (when known)."""
-    layers = list(layers)
-    if layers and (len(layers) < 2 or len(set(layers)) != len(layers)
-                   or any(layer < 1 or num_layers is not None and layer > num_layers for layer in layers)):
-        within = f" from 1 to the target's {num_layers}" if num_layers else ""
-        raise SpecDecodeError(f"feature layers: two or more distinct layers{within}, not {layers}")
+    def readout(self, features: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads: the predicted feature itself (it is normed already)."""
+        return features
 
 
 def new_head(target_config, target_name: str, target_sha256: str | None, intermediate_size: int | None = None,
@@ -208,7 +156,7 @@ def new_head(target_config, target_name: str, target_sha256: str | None, interme
     return head
 
 
-def save(folder: str | Path, head: EagleHead) -> Path:
+def save(folder: str | Path, head: "EagleHead | eagle3.Eagle3Head") -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in head.state_dict().items()}
@@ -221,13 +169,21 @@ def save(folder: str | Path, head: EagleHead) -> Path:
     return folder
 
 
-def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> EagleHead:
+def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> "EagleHead | eagle3.Eagle3Head":
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file() or not (folder / WEIGHTS_FILE).is_file():
-        raise SpecDecodeError(f"no EAGLE head in {folder}; `specdecode train eagle` makes one")
-    head = EagleHead(EagleConfig(**json.loads((folder / CONFIG_FILE).read_text())))
+        raise SpecDecodeError(f"no EAGLE head in {folder}; `specdecode train eagle` makes one"
+                              + (" (a speculators or EAGLE folder: `specdecode import eagle`)"
+                                 if (folder / "config.json").is_file() else ""))
+    config = EagleConfig(**json.loads((folder / CONFIG_FILE).read_text()))
     tensors = load_file(folder / WEIGHTS_FILE)
     draft_vocab = tensors.pop(ARTIFACT_KEY, None)
+    if config.layout == eagle3.LAYOUT:
+        head = eagle3.Eagle3Head(config, tensors["lm_head.weight"].shape[0])
+    elif config.layout == "fused":
+        head = EagleHead(config)
+    else:
+        raise SpecDecodeError(f"the head in {folder} has layout {config.layout!r}, which this version does not know")
     head.load_state_dict({k: v.float() for k, v in tensors.items()})
     head = head.to(dtype).eval().requires_grad_(False)
     head.draft_vocab = draft_vocab

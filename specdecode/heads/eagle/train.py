@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from specdecode.heads.eagle import eagle3
 from specdecode.heads.eagle import model as eagle
 from specdecode.heads.draft_vocab import DraftVocab, lm_head_weight
 from specdecode.errors import SpecDecodeError
@@ -58,6 +59,14 @@ class EagleTrainConfig:
     # Qwen2.5-1.5B's head with AMX; several times slower without bf16 instructions
     bf16: bool = field(default_factory=bf16_is_fast)
     feature_layers: tuple[int, ...] = ()  # the target layers a new head fuses (eagle.new_head); (): the final
+    # "fused" (model.py) or "eagle3" (eagle3.py: the layout vLLM and SGLang load, which
+    # learns tokens alone through its own LM head, started from the target's rows)
+    layout: str = "fused"
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's choice: a low, a middle and a high layer (2, L/2, L-3)."""
+    return tuple(sorted({min(2, num_layers), max(1, num_layers // 2), max(1, num_layers - 3)}))
 
 
 def documents(features: Features, indices: torch.Tensor) -> list[torch.Tensor]:
@@ -90,7 +99,9 @@ def packed_loss(head, embed, features: Features, docs: Sequence[torch.Tensor], v
     own predictions from the step before in their place (pair j gets f̂_j; a document's
     first pair keeps the true feature), so that it learns to draft deeper than one token
     from features it predicted itself; the loss is the mean over steps, the hits are
-    step 1's. bf16: the head's products in bf16 (autocast), its weights and the losses fp32."""
+    step 1's. bf16: the head's products in bf16 (autocast), its weights and the losses fp32.
+    An EAGLE-3 layout head learns the tokens alone, through its own LM head (its rows are
+    the reduced vocabulary's, in the same order); the fused one also its next features."""
     j = torch.cat([d[:-1] for d in docs])
     nxt = torch.cat([d[1:] for d in docs])
     doc = torch.cat([torch.full((len(d) - 1,), i) for i, d in enumerate(docs)])
@@ -104,13 +115,16 @@ def packed_loss(head, embed, features: Features, docs: Sequence[torch.Tensor], v
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         true_inputs = head.target_features({l: features.hidden[l][j].float() for l in head.layers(final)}, final)
     true_inputs = inputs = true_inputs.float()
+    own_lm_head = head.config.layout == eagle3.LAYOUT
     total, hits = 0.0, 0
     for step in range(rollout):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             predicted = head(inputs, embeds, positions, None, mask)
-            logits = (predicted.to(vocab_weight.dtype) @ vocab_weight.T).float()
+            read = head.readout(predicted)
+            logits = (head.lm_head(read) if own_lm_head else read.to(vocab_weight.dtype) @ vocab_weight.T).float()
         predicted = predicted.float()
-        total = total + F.smooth_l1_loss(predicted, target) + token_weight * F.cross_entropy(logits, labels)
+        feature_loss = 0.0 if own_lm_head else F.smooth_l1_loss(predicted, target)
+        total = total + feature_loss + token_weight * F.cross_entropy(logits, labels)
         if step == 0:
             hits = int((logits.argmax(-1) == labels).sum())
         inputs = torch.where(first, true_inputs, predicted.roll(1, dims=0))
@@ -127,7 +141,15 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
                                                    torch.bfloat16 if config.bf16 else torch.float32)
     embed = target.embed
 
-    head = eagle.new_head(target.config, name, sha256, config.intermediate_size, config.seed, config.feature_layers)
+    if config.layout == eagle3.LAYOUT:
+        layers = config.feature_layers or default_feature_layers(target.config.num_layers)
+        rows = torch.unique(features.labels)
+        head = eagle3.new_head(target.config, name, sha256, lm_weight[rows], rows, layers, config.intermediate_size,
+                               config.seed)
+        eagle3.scale_fc(head, {layer: features.hidden[layer][train_idx[:4096]] for layer in layers})
+    else:
+        head = eagle.new_head(target.config, name, sha256, config.intermediate_size, config.seed,
+                              config.feature_layers)
     if init is not None:
         start_from(head, init)
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
@@ -178,16 +200,17 @@ def train(target, features: Features, lm_weight, config: EagleTrainConfig, work:
     return head, record
 
 
-def _fingerprint(head: eagle.EagleHead) -> str:
+def _fingerprint(head) -> str:
+    first = next(iter(head.state_dict().values()))
+    return hashlib.sha256(first.detach().float().numpy().tobytes()).hexdigest()[:16]
 
-    return hashlib.sha256(head.fuse.weight.detach().float().numpy().tobytes()).hexdigest()[:16]
 
-
-def start_from(head: eagle.EagleHead, init: eagle.EagleHead) -> None:
+def start_from(head, init) -> None:
     """Copy a trained head's weights into a new one of the same shape (fp32 for training)."""
 
     mine, theirs = head.state_dict(), init.state_dict()
-    if {k: v.shape for k, v in mine.items()} != {k: v.shape for k, v in theirs.items()}:
+    if (head.config.layout != init.config.layout
+            or {k: v.shape for k, v in mine.items()} != {k: v.shape for k, v in theirs.items()}):
         raise SpecDecodeError("the head to start from has another shape (another target or --intermediate-size)")
     head.load_state_dict({k: v.float() for k, v in theirs.items()})
 
@@ -227,7 +250,7 @@ def depth_accuracy(head, target, vocab: DraftVocab, features: Features, docs, ma
             chain = [c[ok] for c in chain]
             if rows.numel() == 0:
                 break
-            ranked = vocab.tokens(vocab.logits(feature).topk(top, dim=-1).indices)
+            ranked = vocab.tokens(vocab.logits(head.readout(feature)).topk(top, dim=-1).indices)
             want = labels[target_pos]
             counts[d] += rows.numel()
             for r in range(top):
@@ -271,9 +294,11 @@ def choose_shape(accuracy, verify_ratios, draft_depth_ratio: float, max_nodes: i
 
 def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: int = 24, answer_tokens: int = 128,
                     epochs: float = 2.0, out: str | Path | None = None, intermediate_size: int | None = None,
-                    log=print, start: str | Path | None = None, feature_layers: Sequence[int] = ()) -> Path:
+                    log=print, start: str | Path | None = None, feature_layers: Sequence[int] = (),
+                    layout: str = eagle3.LAYOUT) -> Path:
     """start: the folder of a trained head to continue from (`--from`), else a new head.
-    feature_layers: the target layers a new head fuses (eagle.new_head); (): the final one."""
+    feature_layers: the target layers a new head fuses; (): EAGLE-3's three for the
+    eagle3 layout, the final one for the fused layout."""
 
     if intermediate_size is not None and intermediate_size <= 0:
         raise SpecDecodeError("--intermediate-size must be positive")
@@ -282,24 +307,28 @@ def run_train_eagle(target_name: str, num_tokens: int = 100_000, num_answers: in
     if init is not None:
         if feature_layers and list(feature_layers) != init.config.feature_layers:
             raise SpecDecodeError(f"--feature-layers: the head in {start} reads {init.config.feature_layers or 'the final layer'}")
-        feature_layers = tuple(init.config.feature_layers)
+        feature_layers, layout = tuple(init.config.feature_layers), init.config.layout
+    if layout not in ("fused", eagle3.LAYOUT):
+        raise SpecDecodeError(f"--layout: fused or {eagle3.LAYOUT}, not {layout!r}")
+    layers = tuple(feature_layers) or (default_feature_layers if layout == eagle3.LAYOUT else ())
     target, features, folder, work = prepare(target_name, out, eagle.default_dir, num_tokens, num_answers,
-                                             answer_tokens, epochs, "EAGLE", log, tuple(feature_layers))
+                                             answer_tokens, epochs, "EAGLE", log, layers)
+    feature_layers = layers(target.model.config.num_layers) if callable(layers) else layers
     lm_weight = lm_head_weight(target)
     if init is not None:
         if init.config.target_sha256 not in (None, target.info.sha256):
             raise SpecDecodeError(f"the head in {start} was trained for another target ({init.config.target})")
         intermediate_size = intermediate_size or init.config.intermediate_size
         log(f"starting from the head in {start}")
-    config = EagleTrainConfig(epochs=epochs, intermediate_size=intermediate_size, feature_layers=tuple(feature_layers))
+    config = EagleTrainConfig(epochs=epochs, intermediate_size=intermediate_size, feature_layers=tuple(feature_layers),
+                              layout=layout)
     head, record = train(target.model, features, lm_weight, config, work, target_name, target.info.sha256, log,
                          init)
     if start is not None:
         record["started_from"] = str(start)
     log(f"held-out loss {record['held_out_loss_before']:.3f} -> {record['held_out_loss_after']:.3f}; "
         f"top-1 {record['held_out_top1_before']:.3f} -> {record['held_out_top1_after']:.3f}")
-    vocab = DraftVocab.rows(lm_weight, head.draft_vocab, target.model.dtype)
-    head.config.tree = measure_shape(target.model, head, vocab, features, log)
+    head.config.tree = measure_shape(target.model, head, head.vocabulary(target), features, log)
     return eagle.save(folder, head)
 
 
@@ -341,6 +370,6 @@ def _time_head_step(model, head, vocab: DraftVocab, rows: int = 3, repeats: int 
             started = time.perf_counter()
             out = head(torch.randn(rows, H).to(model.dtype), torch.randn(rows, H).to(model.dtype),
                        torch.full((rows,), 64), cache, torch.ones(rows, 64 + rows, dtype=torch.bool))
-            vocab.logits(out).topk(4, dim=-1)
+            vocab.logits(head.readout(out)).topk(4, dim=-1)
             times.append(time.perf_counter() - started)
     return sorted(times[1:])[repeats // 2]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Callable
 from itertools import islice
 from pathlib import Path
 
@@ -97,12 +98,13 @@ def training_features(target, layers: tuple[int, ...], num_tokens: int, num_answ
 
 
 def prepare(target_name: str, out, default_dir, num_tokens: int, num_answers: int, answer_tokens: int,
-            epochs: float, what: str, log=print, feature_layers: tuple[int, ...] = ()):
+            epochs: float, what: str, log=print,
+            feature_layers: tuple[int, ...] | Callable[[int], tuple[int, ...]] = ()):
     """What every `specdecode train` does first: check the settings, load the target, make
     the work folder beside the artifact, and get the target's features (cached and shared).
     The artifact folder is `out`, else default_dir(the target's cached folder). Returns
     (target, features, artifact folder, work folder). The features hold the final layer
-    and `feature_layers`."""
+    and `feature_layers` (or, callable, the layers it names for the target's count)."""
 
     if num_tokens < 0 or num_answers < 0 or epochs <= 0:
         raise SpecDecodeError("--tokens, --answers and --epochs must be positive")
@@ -112,6 +114,8 @@ def prepare(target_name: str, out, default_dir, num_tokens: int, num_answers: in
     if not hasattr(target.model, "lm_head_weight"):
         raise SpecDecodeError(f"{what} needs the native backend (a Llama-family target)")
     folder = Path(out) if out else default_dir(target.info.folder)
+    if callable(feature_layers):
+        feature_layers = feature_layers(target.model.config.num_layers)
     if any(not 0 < layer <= target.model.config.num_layers for layer in feature_layers):
         raise SpecDecodeError(f"{target_name} has layers 1 to {target.model.config.num_layers}, "
                               f"not {sorted(feature_layers)}")
