@@ -114,6 +114,9 @@ def test_cli_bad_input_gives_one_clear_error(capsys, argv, message):
     (["train", "eagle", "--epochs", "0"], "must be positive"),
     (["train", "medusa", "--from", "/x"], "--from goes with --reshape-only"),
     (["tune", "--drafters", "nope"], "--drafters must name"),
+    (["export", "medusa", "--out", "/tmp/x", "--k", "3"], "--k and --format go with export eagle"),
+    (["export", "eagle", "--out", "/tmp/x", "--k", "0"], "--k must be at least 1"),
+    (["import", "eagle", "/nonexistent", "--target", "smollm2-135m-instruct"], "no config.json in /nonexistent"),
 ])
 def test_cli_bad_options_give_one_clear_error(capsys, argv, message):
     assert main(argv) == 2
