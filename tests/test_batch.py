@@ -112,3 +112,26 @@ def test_trees_and_finished_sequences_are_refused(tiny, tiny_other):
     assert seq.done
     with pytest.raises(SpecDecodeError, match="not done"):
         batch.step(tiny, [seq], [0])
+
+
+def test_a_lookup_that_finds_no_match_lowers_its_acceptance(tiny):
+    """Asked for drafts and given none, a sequence's α falls from the prior, so the
+    goodput controller stops giving it rows; a sequence never asked keeps its prior."""
+    from specdecode.drafters.base import Proposal
+    from specdecode.policy.adaptive import AdaptiveK
+    from specdecode.policy.costs import cost_model
+
+    class NeverMatches(PromptLookup):
+        def propose(self, context, k, sampling=None, generator=None):
+            return Proposal(torch.empty(0, dtype=torch.long))
+
+    costs = cost_model({1: 0.01, 2: 0.0101, 4: 0.0103, 8: 0.011, 16: 0.012}, 0.0)
+    stop = StopCondition(frozenset(), max_new_tokens=20)
+    asked, idle = (Sequence([1, 2, 3, 4, 5], stop, drafter=NeverMatches(), policy=AdaptiveK(costs), k_max=4)
+                   for _ in range(2))
+    for seq in (asked, idle):
+        prefill(tiny, seq)
+    before = asked.policy.alpha
+    for _ in range(6):
+        assert [r.num_drafted for r in step(tiny, [asked, idle], [4, 0])] == [0, 0]
+    assert asked.policy.alpha < 0.3 < before == idle.policy.alpha  # six misses outweigh the prior

@@ -83,11 +83,12 @@ def step(target, seqs: list[Sequence], ks: list[int]) -> list[Round]:
     step), one target pass verifies them all, each accepts its own. A Round per sequence."""
     if any(s.done or s.cache is None for s in seqs):
         raise SpecDecodeError("a batch step takes prefilled sequences that are not done")
-    drafts, passes, draft_s = [], [], []
+    drafts, passes, draft_s, asked = [], [], [], []
     for seq, k in zip(seqs, ks):
         t0 = time.perf_counter()
         budget = min(seq.stop.max_new_tokens - len(seq.new_tokens), seq.cache.max_len - seq.cache.length) - 1
         k = min(k, budget, seq.k_max) if seq.drafter is not None else 0
+        asked.append(k)
         tokens, probs = propose(seq.drafter, seq.context, k, seq.sampling, seq.generator)
         drafts.append((tokens, probs))
         passes.append(SequencePass([seq.context[-1]] + tokens.tolist(), seq.cache))
@@ -96,10 +97,12 @@ def step(target, seqs: list[Sequence], ks: list[int]) -> list[Round]:
     logits = forward_many(target, passes)
     verify_s = time.perf_counter() - t1
     rounds = []
-    for seq, (tokens, probs), rows, d_s in zip(seqs, drafts, logits, draft_s):
+    for seq, k, (tokens, probs), rows, d_s in zip(seqs, asked, drafts, logits, draft_s):
         num_accepted, next_token = accept_chain(tokens, probs, rows, seq.sampling, seq.generator)
         seq.cache.rewind(len(tokens) - num_accepted)
-        seq.policy.observe(len(tokens), num_accepted)
+        # asked for drafts and given none (a lookup that found no match): told as one draft
+        # rejected at once, so that the controller's α for it falls and it gets no rows
+        seq.policy.observe(len(tokens) or int(k > 0), num_accepted)
         rounds.append(_emit(seq, tokens[:num_accepted].tolist() + [next_token], len(tokens), num_accepted, d_s,
                             verify_s))
     return rounds
