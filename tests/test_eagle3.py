@@ -9,7 +9,10 @@ from specdecode.core.stopping import StopCondition
 from specdecode.heads.eagle import eagle3
 from specdecode.heads.eagle import model as eagle
 from specdecode.heads.eagle.drafter import EagleDrafter
-from specdecode.heads.eagle.train import EagleTrainConfig, default_feature_layers, measure_shape, train
+from specdecode.heads.eagle.parts import HeadCache
+from specdecode.heads.eagle.train import (EagleTrainConfig, chain_mask, default_feature_layers, documents,
+                                          measure_shape, packed_loss, train)
+from specdecode.heads.training.features import collect as collect_features
 from specdecode.models.native import NativeModel
 
 from .test_eagle import _grammar_features, lm_weight_of
@@ -74,3 +77,42 @@ def test_an_eagle3_head_trains_and_round_trips(tiny_llama, tmp_path):
     assert torch.equal(loaded.draft_vocab, head.draft_vocab)
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a.to(torch.bfloat16).float(), b), name
+
+
+def test_chain_mask_shows_each_rollout_row_its_root_context_and_its_chain():
+    doc, positions = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 1, 2, 0, 1])
+    assert torch.equal(chain_mask(doc, positions, 0), (doc[:, None] == doc[None]) & (positions[:, None] >= positions[None]))
+    two = chain_mask(doc, positions, 2)  # row 2 (pair 2 of document 0): the chain rooted at pair 0
+    assert two.shape == (5, 15)
+    assert two[2].nonzero()[:, 0].tolist() == [0, 5 + 1, 10 + 2]  # pair 0; step 1's row 1; itself
+    assert not two[3:, :5].any()  # document 1 has no pair two back: no root, no context
+
+
+@pytest.mark.parametrize("rollout", [2, 3])
+def test_rollout_steps_compute_what_drafting_computes(tiny_llama, rollout):
+    """Row j of rollout step s is the node at depth s + 1 of the chain drafted from pair
+    j - s with the text's own tokens: the same state as drafting it with the head's cache."""
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (9, 6)]
+    features = collect_features(model, docs, (1, 2))
+    lm_weight = lm_weight_of(tiny_llama)
+    head = eagle3_head(model, lm_weight, seed=3)
+    steps = []
+    hook = head.register_forward_hook(lambda _m, _a, out: steps.append(out.detach()))
+    rows = documents(features, torch.arange(len(features)))
+    packed_loss(head, model.embed, features, rows, lm_weight, torch.arange(96), rollout)
+    hook.remove()
+    assert len(steps) == rollout
+    first = rows[0]  # the first document's rows come first in the packed pass
+    tokens, L = features.tokens[first], len(first)
+    with torch.no_grad():
+        states = head.target_features({l: features.hidden[l][first[:-1]].float() for l in (1, 2)}, 2)
+        for root in range(L - rollout):
+            cache = HeadCache()
+            node = head(states[:root + 1], model.embed[tokens[1:root + 2]], torch.arange(root + 1), cache)[-1:]
+            torch.testing.assert_close(node[0], steps[0][root])
+            for depth in range(1, rollout):  # the chain's next node: the state before, the text's next token
+                node = head(node, model.embed[tokens[root + depth + 1:root + depth + 2]],
+                            torch.tensor([root + depth]), cache)
+                torch.testing.assert_close(node[0], steps[depth][root + depth], atol=1e-5, rtol=1e-5)

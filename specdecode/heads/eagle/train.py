@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from specdecode.heads.eagle import eagle3
 from specdecode.heads.eagle import model as eagle
+from specdecode.heads.eagle.parts import HeadCache
 from specdecode.heads.draft_vocab import DraftVocab, lm_head_weight
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.training.data import prepare
@@ -101,7 +102,11 @@ def packed_loss(head, embed, features: Features, docs: Sequence[torch.Tensor], v
     from features it predicted itself; the loss is the mean over steps, the hits are
     step 1's. bf16: the head's products in bf16 (autocast), its weights and the losses fp32.
     An EAGLE-3 layout head learns the tokens alone, through its own LM head (its rows are
-    the reduced vocabulary's, in the same order); the fused one also its next features."""
+    the reduced vocabulary's, in the same order); the fused one also its next features.
+    The EAGLE-3 head's rollout steps attend as drafting does (`chain_mask`, EAGLE-3's
+    training-time test): to the true pairs up to their chain's root and to the chain; its
+    states, unlike the fused head's features, are never pulled toward the true ones, so
+    what a deeper node sees must be what it sees when drafting."""
     j = torch.cat([d[:-1] for d in docs])
     nxt = torch.cat([d[1:] for d in docs])
     doc = torch.cat([torch.full((len(d) - 1,), i) for i, d in enumerate(docs)])
@@ -116,19 +121,38 @@ def packed_loss(head, embed, features: Features, docs: Sequence[torch.Tensor], v
         true_inputs = head.target_features({l: features.hidden[l][j].float() for l in head.layers(final)}, final)
     true_inputs = inputs = true_inputs.float()
     own_lm_head = head.config.layout == eagle3.LAYOUT
+    cache = HeadCache() if own_lm_head else None  # each step's keys, for the later steps' chains
     total, hits = 0.0, 0
     for step in range(rollout):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            predicted = head(inputs, embeds, positions, None, mask)
+            predicted = head(inputs, embeds, positions, cache, chain_mask(doc, positions, step) if own_lm_head else mask)
             read = head.readout(predicted)
             logits = (head.lm_head(read) if own_lm_head else read.to(vocab_weight.dtype) @ vocab_weight.T).float()
         predicted = predicted.float()
         feature_loss = 0.0 if own_lm_head else F.smooth_l1_loss(predicted, target)
-        total = total + feature_loss + token_weight * F.cross_entropy(logits, labels)
+        rooted = positions >= step if own_lm_head else slice(None)  # rows whose chain has a root
+        total = total + feature_loss + token_weight * F.cross_entropy(logits[rooted], labels[rooted])
         if step == 0:
             hits = int((logits.argmax(-1) == labels).sum())
         inputs = torch.where(first, true_inputs, predicted.roll(1, dims=0))
     return total / rollout, hits, len(j)
+
+
+def chain_mask(doc: torch.Tensor, positions: torch.Tensor, step: int) -> torch.Tensor:
+    """(N, N * (step + 1)) bool over the keys of steps 0..step: at rollout step s, row q
+    (pair j of its document) is the node at depth s + 1 of the chain rooted at pair j - s.
+    It sees its document's true pairs up to j - s (step 0's keys), its chain's node of
+    step i at row q - (s - i), and itself."""
+    N = len(doc)
+    blocks = [(doc[:, None] == doc[None]) & (positions[None] <= positions[:, None] - step)]
+    rows = torch.arange(N)
+    for i in range(1, step + 1):
+        back = step - i
+        block = torch.zeros(N, N, dtype=torch.bool)
+        ok = positions >= back  # the chain's node lies in the same document
+        block[rows[ok], rows[ok] - back] = True
+        blocks.append(block)
+    return torch.cat(blocks, dim=1)
 
 
 def train(target, features: Features, lm_weight, config: EagleTrainConfig, work: Path, name: str, sha256,
