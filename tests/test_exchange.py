@@ -198,3 +198,13 @@ def test_tune_times_prompt_lookup_as_a_lookup(tiny_llama):
     verify, steps = measure_costs(model, {"prompt-lookup": PromptLookup()}, context=64, repeats=2)
     assert set(verify) >= {1, 8} and all(s > 0 for s in verify.values())
     assert 0 < steps["prompt-lookup"] < verify[1]  # a lookup costs less than a target pass
+
+
+def test_the_exported_draft_length_is_the_one_that_pays_where_verifying_is_free():
+    from specdecode.commands.exchange import free_verify_chain
+
+    # the shipped SmolLM2 head's accuracies: depth 3 adds 0.07 tokens for 0.13 of a step
+    assert free_verify_chain({"accuracy": [[0.529], [0.456], [0.277], [0.183]], "head_step_ratio": 0.133}) == 2
+    assert free_verify_chain({"accuracy": [[0.9]] * 4, "head_step_ratio": 0.05}) == 4  # accurate and cheap: all
+    assert free_verify_chain({"accuracy": [[0.9]] * 4, "head_step_ratio": 2.0}) == 1  # a dear head: one
+    assert free_verify_chain({}) == 3  # nothing recorded: a common default

@@ -42,14 +42,29 @@ def export_eagle(target_name: str, head_dir: str | None, out: str, fmt: str, k: 
     if head.config.target_sha256 and target.info.sha256 and head.config.target_sha256 != target.info.sha256:
         raise SpecDecodeError(f"the head in {folder} was trained on {head.config.target}, not on {target_name}")
     config = json.loads((Path(target.info.folder) / "config.json").read_text())
-    depth = int(head.config.tree.get("depth") or 0)
-    k = k or max(depth, 1)
+    k = k or free_verify_chain(head.config.tree)
     name = verifier or verifier_of(target)
     done = eagle_exchange.export(head, out, name, config.get("architectures") or [], config["vocab_size"],
                                  config.get("max_position_embeddings", 4096), k, fmt)
-    log(f"exported the EAGLE-3 head in {folder} ({fmt} layout, {k} speculative tokens) to {done}")
+    log(f"exported the EAGLE-3 head in {folder} ({fmt} layout, {k} speculative token{'s' * (k > 1)}) to {done}")
     log(deploy_hint("eagle3", name, done, k))
     return done
+
+
+def free_verify_chain(tree: dict, longest: int = 8) -> int:
+    """The draft length that pays most where verifying it costs one target pass (a GPU):
+    expected tokens 1 + Σ_d Π_{i<=d} a_i from the head's held-out top-1 accuracy by depth,
+    over 1 + k·r, r its step's cost measured here in target steps. 3 where the head
+    stores neither (imported, or trained before they were recorded)."""
+    accuracy, ratio = [row[0] for row in tree.get("accuracy") or []], tree.get("head_step_ratio")
+    if not accuracy or ratio is None:
+        return 3
+    rates, expected, reach = [], 1.0, 1.0
+    for k, a in enumerate(accuracy[:longest], start=1):
+        reach *= a
+        expected += reach
+        rates.append(expected / (1 + k * ratio))
+    return 1 + rates.index(max(rates))
 
 
 def export_medusa(target_name: str, heads_dir: str | None, out: str, verifier: str | None, log=print) -> Path:
