@@ -208,3 +208,15 @@ def test_the_exported_draft_length_is_the_one_that_pays_where_verifying_is_free(
     assert free_verify_chain({"accuracy": [[0.9]] * 4, "head_step_ratio": 0.05}) == 4  # accurate and cheap: all
     assert free_verify_chain({"accuracy": [[0.9]] * 4, "head_step_ratio": 2.0}) == 1  # a dear head: one
     assert free_verify_chain({}) == 3  # nothing recorded: a common default
+
+
+def test_an_eagle_layout_config_without_layer_ids_reads_eagle3s_default_three(tiny_llama, tmp_path):
+    model = NativeModel.from_folder(tiny_llama, torch.float32)
+    out = exchange.export(three_layer_head(model, lm_weight_of(tiny_llama)), tmp_path, "org/tiny", [], 96, 256, 3,
+                          "eagle")
+    config = json.loads((out / "config.json").read_text())
+    del config["eagle_config"]  # as the EAGLE repository's own configs have it
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecDecodeError, match="which target layers"):
+        exchange.read(out)
+    assert exchange.read(out, target_layers=32)[0].config.feature_layers == [2, 16, 29]

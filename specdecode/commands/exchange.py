@@ -87,8 +87,9 @@ def deploy_hint(method: str, verifier: str, folder: Path, k: int) -> str:
 def import_eagle(source: str, target_name: str, out: str | None, any_verifier: bool, log=print) -> Path:
     """The head in `source` (speculators or EAGLE layout) as an artifact here, bound to the
     target, with a tree chosen from its accuracy on a sample of the target's text."""
-    head, meta = eagle_exchange.read(source)
+    eagle_exchange.read(source)  # a wrong folder fails before the target loads
     target = load_model(target_name)
+    head, meta = eagle_exchange.read(source, target.model.config.num_layers)
     head = eagle_exchange.match_target(head, meta, target, any_verifier)
     folder = Path(out) if out else eagle.default_dir(target.info.folder)
     if out is None and (folder / eagle.CONFIG_FILE).is_file():

@@ -68,7 +68,7 @@ def eagle_drafter(target: LoadedModel, head: str | None = None) -> EagleDrafter:
 def foreign_eagle_drafter(target: LoadedModel, folder: Path) -> EagleDrafter:
     """A head in vLLM's speculators or the EAGLE layout, used as it is: a chain as long as
     its config proposes, always on; `specdecode import eagle` fits its tree and gate here."""
-    head, meta = exchange.read(folder)
+    head, meta = exchange.read(folder, target.model.config.num_layers)
     trained = exchange.match_target(head, meta, target)
     depth = int(meta["speculative_tokens"] or 3)
     warnings.warn(f"the head in {folder} drafts a chain of {depth}, unfitted to this machine; "

@@ -121,10 +121,12 @@ def export(head, out: str | Path, verifier: str, architectures: list[str], vocab
     return out
 
 
-def read(folder: str | Path) -> tuple[Eagle3Head, dict]:
+def read(folder: str | Path, target_layers: int | None = None) -> tuple[Eagle3Head, dict]:
     """A head in either layout as an Eagle3Head (fp32), with what its config says of the
     verifier and the draft length: {"verifier", "architectures", "vocab_size",
-    "speculative_tokens", "format"}. Refuses what it would not draft exactly."""
+    "speculative_tokens", "format"}. Refuses what it would not draft exactly. A config
+    that names no target layers (the EAGLE repository's) reads EAGLE-3's default three,
+    2, L/2 and L-3, of a target of `target_layers` layers."""
     folder = Path(folder)
     if not (folder / CONFIG).is_file():
         raise SpecDecodeError(f"no {CONFIG} in {folder}: not a speculators or EAGLE head folder")
@@ -139,6 +141,8 @@ def read(folder: str | Path) -> tuple[Eagle3Head, dict]:
     hidden = layer["hidden_size"]
     aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
         "eagle_aux_hidden_state_layer_ids")
+    if not aux and target_layers:
+        aux = [2, target_layers // 2, target_layers - 3]
     if not aux:
         raise SpecDecodeError(f"{folder} does not say which target layers the head reads "
                               "(eagle_aux_hidden_state_layer_ids)")
