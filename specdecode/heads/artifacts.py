@@ -7,6 +7,9 @@ import hashlib
 import json
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 from specdecode.errors import SpecDecodeError
 
 SHIPPED = Path(__file__).resolve().parent.parent / "artifacts"
@@ -43,3 +46,16 @@ def _refit_of_replaced(config_path: Path, shipped_config: Path) -> bool:
     record = json.loads(config_path.read_text())
     source = next((part[REFIT_KEY] for part in record.values() if isinstance(part, dict) and REFIT_KEY in part), None)
     return source is not None and shipped_config.is_file() and source != shipped_hash(shipped_config.parent)
+
+
+def write_folder(folder: str | Path, weights_file: str, tensors: dict[str, torch.Tensor], config_file: str,
+                 config: dict, indent: int = 1) -> Path:
+    """A head's weights and config into `folder`, each landing by rename: a reader never
+    sees a half-written file (the weights land first, so a config always has its weights)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / (weights_file + ".partial"), metadata={"format": "pt"})
+    (folder / (config_file + ".partial")).write_text(json.dumps(config, indent=indent) + "\n")
+    (folder / (weights_file + ".partial")).replace(folder / weights_file)
+    (folder / (config_file + ".partial")).replace(folder / config_file)
+    return folder

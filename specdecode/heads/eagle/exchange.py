@@ -19,9 +19,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
+from specdecode.heads.artifacts import write_folder
 from specdecode.heads.eagle.eagle3 import LAYOUT, Eagle3Head
 from specdecode.heads.eagle.parts import EagleConfig
 from specdecode.models.registry import REGISTRY
@@ -112,13 +113,7 @@ def export(head, out: str | Path, verifier: str, architectures: list[str], vocab
     else:
         config = layer | {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": ids.numel(),
                           "target_hidden_size": c.hidden_size, "eagle_config": aux}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / (WEIGHTS + ".partial"), metadata={"format": "pt"})
-    (out / (CONFIG + ".partial")).write_text(json.dumps(config, indent=2) + "\n")
-    (out / (WEIGHTS + ".partial")).replace(out / WEIGHTS)
-    (out / (CONFIG + ".partial")).replace(out / CONFIG)
-    return out
+    return write_folder(out, WEIGHTS, tensors, CONFIG, config, indent=2)
 
 
 def read(folder: str | Path, target_layers: int | None = None) -> tuple[Eagle3Head, dict]:

@@ -26,12 +26,12 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdecode.heads import draft_vocab
 from specdecode.heads.draft_vocab import ARTIFACT_KEY, DraftVocab
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.artifacts import find_artifact
+from specdecode.heads.artifacts import find_artifact, write_folder
 from specdecode.heads.eagle import eagle3
 from specdecode.heads.eagle.parts import EagleConfig, HeadCache, check_feature_layers, rms_norm, rope
 from specdecode.models.linear import Linear
@@ -157,16 +157,10 @@ def new_head(target_config, target_name: str, target_sha256: str | None, interme
 
 
 def save(folder: str | Path, head: "EagleHead | eagle3.Eagle3Head") -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to(torch.bfloat16).contiguous() for name, p in head.state_dict().items()}
     if head.draft_vocab is not None:
         tensors[ARTIFACT_KEY] = head.draft_vocab.long().contiguous()
-    save_file(tensors, folder / (WEIGHTS_FILE + ".partial"))
-    (folder / (CONFIG_FILE + ".partial")).write_text(json.dumps(asdict(head.config), indent=1))
-    (folder / (WEIGHTS_FILE + ".partial")).replace(folder / WEIGHTS_FILE)
-    (folder / (CONFIG_FILE + ".partial")).replace(folder / CONFIG_FILE)
-    return folder
+    return write_folder(folder, WEIGHTS_FILE, tensors, CONFIG_FILE, asdict(head.config))
 
 
 def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> "EagleHead | eagle3.Eagle3Head":

@@ -16,9 +16,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdecode.errors import SpecDecodeError
+from specdecode.heads.artifacts import write_folder
 from specdecode.heads.medusa.model import MedusaConfig, MedusaHeads
 
 WEIGHTS = "model.safetensors"
@@ -39,13 +40,7 @@ def export(heads: MedusaHeads, config: MedusaConfig, lm_weight: torch.Tensor, ou
     record = {"model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
               "vocab_size": vocab_size, "truncated_vocab_size": ids.numel(), "num_heads": heads.num_heads,
               "num_hidden_layers": 1, "medusa_fc_bias": True, "original_lm_head": True}
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / (WEIGHTS + ".partial"), metadata={"format": "pt"})
-    (out / (CONFIG + ".partial")).write_text(json.dumps(record, indent=2) + "\n")
-    (out / (WEIGHTS + ".partial")).replace(out / WEIGHTS)
-    (out / (CONFIG + ".partial")).replace(out / CONFIG)
-    return out
+    return write_folder(out, WEIGHTS, tensors, CONFIG, record, indent=2)
 
 
 def read(folder: str | Path, target_lm_weight: torch.Tensor) -> MedusaHeads:

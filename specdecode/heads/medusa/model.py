@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdecode.heads.draft_vocab import ARTIFACT_KEY
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.artifacts import find_artifact
+from specdecode.heads.artifacts import find_artifact, write_folder
 from specdecode.models.linear import Linear
 
 WEIGHTS_FILE = "medusa.safetensors"
@@ -75,17 +75,11 @@ class MedusaConfig:
 
 def save(folder: str | Path, heads: MedusaHeads, config: MedusaConfig) -> Path:
     """Write the artifact; a reader never sees a half-written one (files land by rename)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {"weight": heads.weight.detach().to(torch.bfloat16).contiguous(),
                "bias": heads.bias.detach().to(torch.bfloat16).contiguous()}
     if heads.draft_vocab is not None:
         tensors[ARTIFACT_KEY] = heads.draft_vocab.long().contiguous()
-    save_file(tensors, folder / (WEIGHTS_FILE + ".partial"))
-    (folder / (CONFIG_FILE + ".partial")).write_text(json.dumps(asdict(config), indent=1))
-    (folder / (WEIGHTS_FILE + ".partial")).replace(folder / WEIGHTS_FILE)
-    (folder / (CONFIG_FILE + ".partial")).replace(folder / CONFIG_FILE)
-    return folder
+    return write_folder(folder, WEIGHTS_FILE, tensors, CONFIG_FILE, asdict(config))
 
 
 def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[MedusaHeads, MedusaConfig]:
