@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.heads.draft_vocab import DraftVocab
-from specdecode.heads.eagle.parts import EagleConfig, HeadCache, check_feature_layers, rms_norm, rope
+from specdecode.heads.eagle.parts import EagleConfig, HeadCache, attend, check_feature_layers, rms_norm
 from specdecode.models.linear import Linear
 
 LAYOUT = "eagle3"
@@ -101,22 +101,9 @@ class Eagle3Head(torch.nn.Module):
         (T, H), fed back at drafted positions; `readout` turns them into logits' input.
         Cache and mask as the fused head's forward."""
         c = self.config
-        T = states.shape[0]
-        nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         eps = c.rms_norm_eps
         x = torch.cat([rms_norm(embeds, self.input_layernorm, eps), rms_norm(states, self.hidden_norm, eps)], dim=-1)
-        q, k, v = (t.view(T, -1, hd).transpose(0, 1)[None] for t in self._qkv(x))  # (1, heads, T, hd)
-        q, k = rope(q, k, positions, self.inv_freq)
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k, v = cache.append(k, v)
-        if mask is None:
-            mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
-        k = k.repeat_interleave(nh // nkv, dim=1)
-        v = v.repeat_interleave(nh // nkv, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])
-        s = states + self._product("o_proj", attn[0].transpose(0, 1).reshape(T, nh * hd))
+        s = states + self._product("o_proj", attend(*self._qkv(x), positions, self.inv_freq, cache, mask))
         return s + self._mlp(rms_norm(s, self.post_attention_layernorm, eps))
 
     def readout(self, states: torch.Tensor) -> torch.Tensor:

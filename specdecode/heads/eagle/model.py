@@ -33,7 +33,7 @@ from specdecode.heads.draft_vocab import ARTIFACT_KEY, DraftVocab
 from specdecode.errors import SpecDecodeError
 from specdecode.heads.artifacts import find_artifact, write_folder
 from specdecode.heads.eagle import eagle3
-from specdecode.heads.eagle.parts import EagleConfig, HeadCache, check_feature_layers, rms_norm, rope
+from specdecode.heads.eagle.parts import EagleConfig, HeadCache, attend, check_feature_layers, rms_norm
 from specdecode.models.linear import Linear
 
 __all__ = ["EagleConfig", "EagleHead", "HeadCache", "check_feature_layers", "new_head", "save", "load", "find"]
@@ -102,23 +102,11 @@ class EagleHead(torch.nn.Module):
         each other (drafting, trees); without a mask, causally.
         """
         c = self.config
-        T = features.shape[0]
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         x = self._product("fuse", torch.cat([features, embeds], dim=-1))  # (T, H)
         h = rms_norm(x, self.attn_norm, c.rms_norm_eps)
         q, k, v = self._product("qkv", h).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q, k, v = (t.view(T, -1, hd).transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, T, hd)
-        q, k = rope(q, k, positions, self.inv_freq)
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k, v = cache.append(k, v)
-        if mask is None:
-            mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
-        k = k.repeat_interleave(nh // nkv, dim=1)
-        v = v.repeat_interleave(nh // nkv, dim=1)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])  # (1, nh, T, hd)
-        x = x + self._product("o", attn[0].transpose(0, 1).reshape(T, nh * hd))
+        x = x + self._product("o", attend(q, k, v, positions, self.inv_freq, cache, mask))
         gate, up = self._product("gate_up", rms_norm(x, self.mlp_norm, c.rms_norm_eps)).chunk(2, dim=-1)
         x = x + self._product("down", F.silu(gate) * up)
         return rms_norm(x, self.out_norm, c.rms_norm_eps)

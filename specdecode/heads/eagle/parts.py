@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from specdecode.errors import SpecDecodeError
 
@@ -85,3 +86,23 @@ def check_feature_layers(layers: Sequence[int], num_layers: int | None = None) -
                    or any(layer < 1 or num_layers is not None and layer > num_layers for layer in layers)):
         within = f" from 1 to the target's {num_layers}" if num_layers else ""
         raise SpecDecodeError(f"feature layers: two or more distinct layers{within}, not {layers}")
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+           cache: HeadCache | None, mask: torch.Tensor | None) -> torch.Tensor:
+    """A head's attention: q (T, nh·hd), k and v (T, nkv·hd) rotated by their positions,
+    the keys and values appended to `cache`, over the cached positions and each other by
+    `mask` (T, cached + T) bool (without one, causally). Returns (T, nh·hd)."""
+    T, hd = q.shape[0], inv_freq.numel() * 2
+    q, k, v = (t.view(T, -1, hd).transpose(0, 1)[None] for t in (q, k, v))  # (1, heads, T, hd)
+    q, k = rope(q, k, positions, inv_freq)
+    past = 0
+    if cache is not None:
+        past = cache.length
+        k, v = cache.append(k, v)
+    if mask is None:
+        mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None])  # (1, nh, T, hd)
+    return attn[0].transpose(0, 1).reshape(T, -1)
