@@ -87,7 +87,7 @@ def deploy_hint(method: str, verifier: str, folder: Path, k: int) -> str:
 def import_eagle(source: str, target_name: str, out: str | None, any_verifier: bool, log=print) -> Path:
     """The head in `source` (speculators or EAGLE layout) as an artifact here, bound to the
     target, with a tree chosen from its accuracy on a sample of the target's text."""
-    eagle_exchange.read(source)  # a wrong folder fails before the target loads
+    eagle_exchange.read_config(source)  # a wrong folder fails before the target loads
     target = load_model(target_name)
     head, meta = eagle_exchange.read(source, target.model.config.num_layers)
     head = eagle_exchange.match_target(head, meta, target, any_verifier)

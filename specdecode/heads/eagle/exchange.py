@@ -123,15 +123,7 @@ def read(folder: str | Path, target_layers: int | None = None) -> tuple[Eagle3He
     that names no target layers (the EAGLE repository's) reads EAGLE-3's default three,
     2, L/2 and L-3, of a target of `target_layers` layers."""
     folder = Path(folder)
-    if not (folder / CONFIG).is_file():
-        raise SpecDecodeError(f"no {CONFIG} in {folder}: not a speculators or EAGLE head folder")
-    raw = json.loads((folder / CONFIG).read_text())
-    if raw.get("speculators_model_type") not in (None, "eagle3"):
-        raise SpecDecodeError(f"{folder} holds a speculators {raw['speculators_model_type']!r} model; "
-                              "only eagle3 heads are read")
-    fmt = "speculators" if "speculators_model_type" in raw else "eagle"
-    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
-    _refuse_what_differs(raw, layer, fmt, folder)
+    raw, layer, fmt = read_config(folder)
     tensors = _tensors(folder)
     hidden = layer["hidden_size"]
     aux = raw.get("eagle_aux_hidden_state_layer_ids") or (raw.get("eagle_config") or {}).get(
@@ -173,6 +165,22 @@ def read(folder: str | Path, target_layers: int | None = None) -> tuple[Eagle3He
     return head, {"verifier": verifier.get("name_or_path"), "architectures": verifier.get("architectures") or [],
                   "vocab_size": vocab_size, "speculative_tokens": proposals[0].get("speculative_tokens"),
                   "format": fmt}
+
+
+def read_config(folder: str | Path) -> tuple[dict, dict, str]:
+    """(config, its decoder layer's config, "speculators" | "eagle") of a head folder, where
+    the head is one this project drafts exactly; cheap: the weights are not read."""
+    folder = Path(folder)
+    if not (folder / CONFIG).is_file():
+        raise SpecDecodeError(f"no {CONFIG} in {folder}: not a speculators or EAGLE head folder")
+    raw = json.loads((folder / CONFIG).read_text())
+    if raw.get("speculators_model_type") not in (None, "eagle3"):
+        raise SpecDecodeError(f"{folder} holds a speculators {raw['speculators_model_type']!r} model; "
+                              "only eagle3 heads are read")
+    fmt = "speculators" if "speculators_model_type" in raw else "eagle"
+    layer = raw["transformer_layer_config"] if fmt == "speculators" else raw
+    _refuse_what_differs(raw, layer, fmt, folder)
+    return raw, layer, fmt
 
 
 def _refuse_what_differs(raw: dict, layer: dict, fmt: str, folder: Path) -> None:
