@@ -1,11 +1,14 @@
-"""The bf16 linear layer: this machine's kernel (AMX or AVX2) against F.linear, and its
-rows' independence.
+"""The bf16 linear layer: this machine's kernel (AMX, AVX-512 or AVX2) against F.linear,
+and its rows' independence.
 
 Greedy identity in bf16 rests on this: a verify pass over many tokens must give each
-token bitwise the product of a one-token pass. Both kernels compute every row with the
+token bitwise the product of a one-token pass. Every kernel computes every row with the
 same instructions in the same order, so that holds for any number of rows; oneDNN's
 packed product holds it up to 11 rows only.
 """
+
+import subprocess
+import sysconfig
 
 import pytest
 import torch
@@ -34,7 +37,7 @@ def weights(out_features: int, in_features: int, seed: int, bias: bool = True):
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape", [(2048, 1536), (576, 1536), (100, 40), (64, 32), (7, 70)])
+@pytest.mark.parametrize("shape", [(2048, 1536), (576, 1536), (100, 40), (64, 32), (7, 70), (33, 45)])
 def test_kernel_product_matches_fp32_reference_within_bf16_rounding(shape):
     w, b = weights(*shape, seed=0)
     layer = Linear(w, b)
@@ -77,12 +80,28 @@ def test_each_build_the_cpu_supports_compiles_and_is_exact(kind):
         packed = kernels._pack_amx(w)
         x = F.pad(x, (0, packed.shape[1] * kernels.STEP - 100))  # whole tile steps
     else:
-        packed = kernels._pack_avx2(w)
+        packed = kernels._pack_avx512(w) if kind == "avx512" else kernels._pack_avx2(w)
     together = module.linear(x.contiguous(), packed, b, 130)
     reference = F.linear(x.float(), F.pad(w, (0, x.shape[1] - 100)).float(), b.float())
     torch.testing.assert_close(together.float(), reference, rtol=2**-8, atol=1e-3)
-    for rows in (1, 2, 3, 11):
+    for rows in (1, 2, 3, 5, 11):
         assert torch.equal(module.linear(x[:rows].contiguous(), packed, b, 130), together[:rows]), rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", kernels.KINDS)
+def test_each_build_the_cpu_lacks_still_compiles(kind):
+    """A build this CPU cannot run is compiled anyway (syntax and types, every source), so
+    that a change made on one kind of machine cannot break another kind's build unseen."""
+    if kernels.cpu_has(kind):
+        pytest.skip("this CPU runs the build: test_each_build_the_cpu_supports_compiles_and_is_exact builds it")
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"]]]
+    for source in kernels.SOURCES[kind]:
+        done = subprocess.run(["c++", "-std=c++17", "-fsyntax-only", *kernels.FLAGS[kind], *includes,
+                               "-DTORCH_EXTENSION_NAME=check", str(source)], capture_output=True, text=True)
+        assert done.returncode == 0, f"{source.name} ({kind}):\n{done.stderr[-3000:]}"
 
 
 def test_a_cpu_with_avx2_runs_a_kernel(kernel_module):

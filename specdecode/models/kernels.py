@@ -1,18 +1,22 @@
 """The project's bf16 kernels: one extension, built once per machine, loaded on demand.
 
-Two builds of the same functions, one per kind of CPU:
-- "amx" (CPUs with AMX): the AMX linear kernel (amx_linear.cpp), the fused small ops of a
-  layer (cpu_ops.cpp) and attention over the cache (attention.cpp), in AVX-512;
+Three builds of the same functions, one per kind of CPU:
+- "amx" (CPUs with AMX, Intel Sapphire Rapids and later): the AMX linear kernel
+  (amx_linear.cpp), the fused small ops of a layer (cpu_ops.cpp) and attention over the
+  cache (attention.cpp), in AVX-512;
+- "avx512" (AVX-512 with AVX512_BF16 and VNNI but no AMX, such as AMD Zen 4): the same ops
+  and attention, with a linear kernel on VDPBF16PS (avx512_linear.cpp);
 - "avx2" (other x86-64 CPUs, such as AMD Zen 3): the same, eight lanes wide
   (avx2_linear.cpp, avx2_ops.cpp, avx2_attention.cpp).
-Both add the rotary embedding (rope.cpp), every layer of a pass in one call
-(decoder_layer.cpp) and the products over quantized GGUF blocks (quant_linear.cpp, AVX2).
+All add the rotary embedding (rope.cpp), every layer of a pass in one call
+(decoder_layer.cpp) and the products over quantized GGUF blocks (quant_linear.cpp: AVX2,
+with VNNI's VPDPBUSD where the build has it).
 
 `kernel()` returns the compiled module, or None where none can run (no AVX2, no compiler)
 so that `Linear` falls back to oneDNN or F.linear. The build (1-3 minutes) goes to
 $SPECDECODE_HOME/kernels/, keyed by the sources and torch version, and is reused after.
 SPECDECODE_KERNEL=onednn turns the kernels off; =amx or =avx2 picks that build and makes
-its absence an error (=avx2 runs the AVX2 build on an AMX CPU too).
+its absence an error (=avx2 runs the AVX2 build on an AVX-512 or AMX CPU too).
 """
 
 from __future__ import annotations
@@ -33,29 +37,40 @@ from specdecode.models.huge_pages import on_huge_pages
 from specdecode.models.store import home
 
 KERNEL_ENV = "SPECDECODE_KERNEL"
-KINDS = ("amx", "avx2")  # the builds, best first
+KINDS = ("amx", "avx512", "avx2")  # the builds, best first
 CHOICES = ("auto", *KINDS, "onednn")
 _HERE = Path(__file__).parent
 SOURCES = {
     "amx": [_HERE / n for n in ("amx_linear.cpp", "cpu_ops.cpp", "rope.cpp", "attention.cpp", "decoder_layer.cpp",
                                 "quant_linear.cpp")],
+    "avx512": [_HERE / n for n in ("avx512_linear.cpp", "cpu_ops.cpp", "rope.cpp", "attention.cpp",
+                                   "decoder_layer.cpp", "quant_linear.cpp")],
     "avx2": [_HERE / n for n in ("avx2_linear.cpp", "avx2_ops.cpp", "rope.cpp", "avx2_attention.cpp",
                                  "decoder_layer.cpp", "quant_linear.cpp")],
 }
 HEADERS = {  # part of the build's key, not compiled alone
     "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h"],
+    "avx512": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h"],
     "avx2": [_HERE / "avx2_math.h", _HERE / "attention_host.h", _HERE / "kernels.h"],
 }
 FLAGS = {
-    "amx": ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
+    "amx": ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
+            "-mamx-bf16", "-fopenmp"],
+    "avx512": ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq",
+               "-mavx512bf16", "-mavx512vnni", "-fopenmp"],
     "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
 }
 GROUP, STEP = 64, 32  # AMX: outputs per packed group, K per tile step (see amx_linear.cpp)
 BLOCK = 32  # AVX2: outputs per packed block (see avx2_linear.cpp)
+BLOCK_AVX512 = 64  # AVX-512: outputs per packed block (see avx512_linear.cpp)
 STALE_LOCK_S = 600  # a build takes 1-3 minutes; a lock this old belongs to a dead process
 
 
-REQUIRED_FLAGS = {"amx": ("amx_bf16", "amx_tile"), "avx2": ("avx2", "fma")}
+REQUIRED_FLAGS = {
+    "amx": ("amx_bf16", "amx_tile", "avx512_vnni"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
+    "avx2": ("avx2", "fma"),
+}
 
 
 def cpu_flags() -> set[str]:
@@ -138,7 +153,17 @@ def _build(kind: str):
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """(N, K) bf16 -> the layout this machine's kernel reads."""
-    return _pack_amx(weight) if kernel_kind() == "amx" else _pack_avx2(weight)
+    kind = kernel_kind()
+    return _pack_amx(weight) if kind == "amx" else _pack_avx512(weight) if kind == "avx512" else _pack_avx2(weight)
+
+
+def _pack_avx512(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (N/64, K/2, 128), zero-padded to whole blocks and even K: for each pair of
+    K, the block's 64 outputs' two weights side by side (avx512_linear.cpp)."""
+    N, K = weight.shape
+    Np, Kp = -(-N // BLOCK_AVX512) * BLOCK_AVX512, K + K % 2
+    w = F.pad(weight, (0, Kp - K, 0, Np - N)).view(Np // BLOCK_AVX512, BLOCK_AVX512, Kp // 2, 2)
+    return on_huge_pages(w.permute(0, 2, 1, 3).reshape(Np // BLOCK_AVX512, Kp // 2, 2 * BLOCK_AVX512))
 
 
 def _pack_avx2(weight: torch.Tensor) -> torch.Tensor:
@@ -151,8 +176,10 @@ def _pack_avx2(weight: torch.Tensor) -> torch.Tensor:
 
 
 def needs_padding(in_features: int) -> bool:
-    """Whether linear() pads x along K for this machine's kernel (AMX: whole tile steps)."""
-    return kernel_kind() == "amx" and in_features % STEP != 0
+    """Whether linear() pads x along K for this machine's kernel (AMX: whole tile steps;
+    AVX-512: an even K)."""
+    kind = kernel_kind()
+    return (kind == "amx" and in_features % STEP != 0) or (kind == "avx512" and in_features % 2 != 0)
 
 
 def _pack_amx(weight: torch.Tensor) -> torch.Tensor:
@@ -165,7 +192,8 @@ def _pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x (M, K) bf16 -> (M, out_features) bf16, through the packed weight."""
-    Kp = packed.shape[1] * STEP if kernel_kind() == "amx" else x.shape[1]
+    kind = kernel_kind()
+    Kp = packed.shape[1] * STEP if kind == "amx" else packed.shape[1] * 2 if kind == "avx512" else x.shape[1]
     if x.shape[1] != Kp:
         x = F.pad(x, (0, Kp - x.shape[1]))
     return kernel().linear(x.contiguous(), packed, bias, out_features)

@@ -16,9 +16,17 @@
 #include <immintrin.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
+
+// VNNI's VPDPBUSD adds four u8 x s8 products into an int32 lane in one instruction, where
+// AVX2 takes PMADDUBSW (pairs into int16) and PMADDWD. No int16 sum of AVX2's can saturate
+// here (each block type states its bound), so both give the same integers and the same output.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define VNNI 1
+#endif
 
 namespace {
 
@@ -251,7 +259,7 @@ struct Q4KX8 {
   static constexpr int64_t BYTES = Q4_K_X8_BYTES;
   const uint8_t* blk;
   __m256 d, dmin;
-  __m256i v[8], scale;
+  __m256i v[8], scale, scale32;
 
   void load(const uint8_t* b) {
     blk = b;
@@ -261,6 +269,7 @@ struct Q4KX8 {
 
   void unpack(int g) {
     const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * g)));
+    scale32 = s32;
     scale = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));  // (s, s) per row
     const __m256i low = _mm256_set1_epi8(0xF);
     for (int j = 0; j < 4; ++j) {
@@ -271,9 +280,15 @@ struct Q4KX8 {
   }
 
   __m256i dot(const int8_t* q) const {
+#ifdef VNNI
+    __m256i s32 = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t) s32 = _mm256_dpbusd_epi32(s32, v[t], broadcast4(q + 4 * t));
+    return _mm256_mullo_epi32(s32, scale32);
+#else
     __m256i s16 = _mm256_maddubs_epi16(v[0], broadcast4(q));
     for (int t = 1; t < 8; ++t) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[t], broadcast4(q + 4 * t)));
     return _mm256_madd_epi16(s16, scale);
+#endif
   }
 
   void finish(const Q8Row& x, int64_t b, __m256i sum, __m256& acc) const {
@@ -300,7 +315,7 @@ struct Q6KX8 {
   static constexpr int64_t BYTES = Q6_K_X8_BYTES;
   const uint8_t* blk;
   __m256 d;
-  __m256i v[8], first, second;
+  __m256i v[8], first, second, first32, second32;
 
   void load(const uint8_t* b) {
     blk = b;
@@ -312,6 +327,8 @@ struct Q6KX8 {
     const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
     first = _mm256_or_si256(_mm256_and_si256(pair, low16), _mm256_slli_epi32(pair, 16));  // group 2g's (s, s)
     second = _mm256_or_si256(_mm256_srli_epi32(pair, 16), _mm256_andnot_si256(low16, pair));  // group 2g + 1's
+    first32 = _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16);
+    second32 = _mm256_srai_epi32(pair, 16);
     const __m256i low = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
     for (int half = 0; half < 2; ++half) {
       const __m256i raw0 = load32(blk + 160 + 32 * (4 * g + 2 * half));
@@ -327,12 +344,19 @@ struct Q6KX8 {
   }
 
   __m256i dot(const int8_t* q) const {
+#ifdef VNNI
+    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) lo = _mm256_dpbusd_epi32(lo, v[t], broadcast4(q + 4 * t));
+    for (int t = 4; t < 8; ++t) hi = _mm256_dpbusd_epi32(hi, v[t], broadcast4(q + 4 * t));
+    return _mm256_add_epi32(_mm256_mullo_epi32(lo, first32), _mm256_mullo_epi32(hi, second32));
+#else
     __m256i p[4];
     for (int u = 0; u < 4; ++u)  // values 8u .. 8u + 7 of the group: two products
       p[u] = _mm256_add_epi16(_mm256_maddubs_epi16(v[2 * u], broadcast4(q + 8 * u)),
                               _mm256_maddubs_epi16(v[2 * u + 1], broadcast4(q + 8 * u + 4)));
     return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p[0], first), _mm256_madd_epi16(p[1], first)),
                             _mm256_add_epi32(_mm256_madd_epi16(p[2], second), _mm256_madd_epi16(p[3], second)));
+#endif
   }
 
   void finish(const Q8Row& x, int64_t b, __m256i sum, __m256& acc) const {
@@ -348,37 +372,88 @@ struct Q6KX8 {
   }
 };
 
-// out[m * ldo + 8 * group + r] for groups [g0, g1) of eight rows of `w` (repacked) times
-// activation row m. ROWS > 0 fixes the row count at compile time; 0 takes any.
-template <typename Block, int ROWS>
-void x8_rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t g0, int64_t g1, float* out,
-                   int64_t ldo) {
-  const int64_t M = ROWS > 0 ? ROWS : static_cast<int64_t>(x.size());
-  std::vector<__m256> acc_any(ROWS > 0 ? 0 : M);
-  std::vector<__m256i> sum_any(ROWS > 0 ? 0 : M);
-  __m256 acc_fixed[ROWS > 0 ? ROWS : 1];
-  __m256i sum_fixed[ROWS > 0 ? ROWS : 1];
-  __m256* acc = ROWS > 0 ? acc_fixed : acc_any.data();
-  __m256i* sum = ROWS > 0 ? sum_fixed : sum_any.data();
+// Where a row's 32 inputs of group g of block b lie: in the row itself, or in a tile's
+// packed copy (pack_rows).
+struct RowInputs {
+  const Q8Row* x;
+  const int8_t* at(int64_t m, int64_t b, int g) const { return x[m].q.data() + b * QK_K + 32 * g; }
+};
+struct PackedInputs {
+  const int8_t* packed;  // at row 0 of the chunk: [block - b0][group of 32][row of the tile][32]
+  int64_t tile_rows, b0;
+  const int8_t* at(int64_t m, int64_t b, int g) const { return packed + (((b - b0) * 8 + g) * tile_rows + m) * 32; }
+};
+
+// Rows [0, R) of x times one group of eight rows of weights (`base`: its blocks) over
+// blocks [b0, b1): out[m * ldo + r] (fp32, exact) carries the eight lanes in from the
+// previous range of blocks (b0 > 0) and out to the next. R is fixed at compile time so
+// the block's unpacked values and every row's sums stay in registers. Each row's sums
+// and their finishing are the same operations in the same order for any R, any chunking
+// of rows and any range of blocks: a row's output is bitwise what one row alone gives.
+template <typename Block, int R, typename Inputs>
+void x8_group_rows(const uint8_t* base, int64_t b0, int64_t b1, const Q8Row* x, Inputs in, float* out, int64_t ldo,
+                   int64_t prefetch_blocks) {
+  __m256 acc[R];
+  __m256i sum[R];
+  for (int m = 0; m < R; ++m) acc[m] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo);
   Block block;
-  for (int64_t group = g0; group < g1; ++group) {
-    for (int64_t m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    const uint8_t* base = w + group * blocks * Block::BYTES;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = base + b * Block::BYTES;
-      for (int line = 0; line < Block::BYTES; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * Block::BYTES + line), _MM_HINT_T0);
-      block.load(blk);
-      for (int64_t m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g) {
-        block.unpack(g);
-        for (int64_t m = 0; m < M; ++m)
-          sum[m] = _mm256_add_epi32(sum[m], block.dot(x[m].q.data() + b * QK_K + 32 * g));
-      }
-      for (int64_t m = 0; m < M; ++m) block.finish(x[m], b, sum[m], acc[m]);
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* blk = base + b * Block::BYTES;
+    for (int line = 0; line < Block::BYTES; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + prefetch_blocks * Block::BYTES + line), _MM_HINT_T0);
+    block.load(blk);
+    for (int m = 0; m < R; ++m) sum[m] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      block.unpack(g);
+      for (int m = 0; m < R; ++m) sum[m] = _mm256_add_epi32(sum[m], block.dot(in.at(m, b, g)));
     }
-    for (int64_t m = 0; m < M; ++m) _mm256_storeu_ps(out + m * ldo + 8 * group, acc[m]);
+    for (int m = 0; m < R; ++m) block.finish(x[m], b, sum[m], acc[m]);
   }
+  for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+}
+
+// Rows that share a pass over a group's weights: with AVX-512's 32 vector registers eight
+// rows' sums and lanes fit beside the unpacked block, with AVX2's 16 four do.
+#ifdef __AVX512VL__
+constexpr int64_t CHUNK_ROWS = 8;
+#else
+constexpr int64_t CHUNK_ROWS = 4;
+#endif
+
+// Rows [0, M) of x, CHUNK_ROWS at a time, times one group of eight rows of weights over
+// blocks [b0, b1) (see x8_group_rows). The group's weights (1-7 KB a block range) stay in
+// cache from one chunk of rows to the next.
+template <typename Block, typename Inputs>
+void x8_group(const uint8_t* base, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, Inputs in, float* out,
+              int64_t ldo, int64_t prefetch_blocks) {
+  for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+    Inputs chunk = in;
+    if constexpr (std::is_same_v<Inputs, RowInputs>) chunk.x += m0;
+    else chunk.packed += 32 * m0;
+    const Q8Row* xc = x + m0;
+    float* oc = out + m0 * ldo;
+    switch (std::min(CHUNK_ROWS, M - m0)) {
+      case 1: x8_group_rows<Block, 1>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 2: x8_group_rows<Block, 2>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 3: x8_group_rows<Block, 3>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 4: x8_group_rows<Block, 4>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+#ifdef __AVX512VL__
+      case 5: x8_group_rows<Block, 5>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 6: x8_group_rows<Block, 6>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 7: x8_group_rows<Block, 7>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 8: x8_group_rows<Block, 8>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+#endif
+    }
+  }
+}
+
+// out[m * ldo + 8 * group + r] for groups [g0, g1) of eight rows of `w` (repacked) times
+// activation row m, over all blocks.
+template <typename Block>
+void x8_rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
+  for (int64_t group = g0; group < g1; ++group)
+    x8_group<Block>(w + group * blocks * Block::BYTES, 0, blocks, x.data(), x.count, RowInputs{x.data()},
+                    out + 8 * group, ldo, 2);
 }
 
 // out[m * ldo + n] = row n of `w` (rows [n0, n1)) times activation row m, blocks summed in
@@ -414,39 +489,9 @@ void rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_t n1
   }
 }
 
-// Long passes (a prompt's prefill): the rows' inputs of groups [g0, g1) of eight outputs
-// over blocks [b0, b1), for `mt` rows whose inputs `packed` holds as [block][group of
-// 32][row][32] (pack_rows), so that a group's inner loop reads them front to back, from
-// the first level of cache. A block's sums and their finishing are x8_rows_times'
-// operations in the same order, and the eight lanes carry over from the previous range of
-// blocks through `out` (fp32, exact), so a row's output stays bitwise what one row alone
-// gives. acc and sum: scratch of mt vectors each.
-template <typename Block>
-void x8_tile_times(const uint8_t* w, int64_t blocks, const Q8Row* x, const int8_t* packed, int64_t mt, int64_t b0,
-                   int64_t b1, int64_t g0, int64_t g1, float* out, int64_t ldo, __m256* acc, __m256i* sum) {
-  Block block;
-  for (int64_t group = g0; group < g1; ++group) {
-    for (int64_t m = 0; m < mt; ++m)
-      acc[m] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo + 8 * group);
-    const uint8_t* base = w + group * blocks * Block::BYTES;
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* blk = base + b * Block::BYTES;
-      for (int line = 0; line < Block::BYTES; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(blk + Block::BYTES + line), _MM_HINT_T0);
-      block.load(blk);
-      for (int64_t m = 0; m < mt; ++m) sum[m] = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g) {
-        block.unpack(g);
-        const int8_t* q = packed + ((b - b0) * 8 + g) * mt * 32;
-        for (int64_t m = 0; m < mt; ++m) sum[m] = _mm256_add_epi32(sum[m], block.dot(q + 32 * m));
-      }
-      for (int64_t m = 0; m < mt; ++m) block.finish(x[m], b, sum[m], acc[m]);
-    }
-    for (int64_t m = 0; m < mt; ++m) _mm256_storeu_ps(out + m * ldo + 8 * group, acc[m]);
-  }
-}
-
-// The inputs of rows x[0, mt) over blocks [b0, b1), as x8_tile_times reads them.
+// The inputs of rows x[0, mt) over blocks [b0, b1) as a long pass reads them (PackedInputs):
+// [block][group of 32][row][32], so that a group's inner loop reads them front to back,
+// from the first level of cache.
 void pack_rows(const Q8Row* x, int64_t mt, int64_t b0, int64_t b1, int8_t* packed) {
   for (int64_t b = b0; b < b1; ++b)
     for (int g = 0; g < 8; ++g)
@@ -454,16 +499,13 @@ void pack_rows(const Q8Row* x, int64_t mt, int64_t b0, int64_t b1, int8_t* packe
         std::memcpy(packed + (((b - b0) * 8 + g) * mt + m) * 32, x[m].q.data() + b * QK_K + 32 * g, 32);
 }
 
-// A kernel for this many rows: one and two specialized (a decoding step, a short draft).
+// A kernel for this many rows: one and two specialized as stored (a decoding step, a short
+// draft); repacked blocks take any number in register-sized chunks.
 template <typename Block, bool REPACKED>
 void rows_times_any(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_t n1, float* out,
                     int64_t ldo) {
   if constexpr (REPACKED) {  // n0, n1 count groups of eight rows
-    switch (x.size()) {
-      case 1: return x8_rows_times<Block, 1>(w, blocks, x, n0, n1, out, ldo);
-      case 2: return x8_rows_times<Block, 2>(w, blocks, x, n0, n1, out, ldo);
-      default: return x8_rows_times<Block, 0>(w, blocks, x, n0, n1, out, ldo);
-    }
+    return x8_rows_times<Block>(w, blocks, x, n0, n1, out, ldo);
   } else {
     switch (x.size()) {
       case 1: return rows_times<Block, 1>(w, blocks, x, n0, n1, out, ldo);
@@ -486,10 +528,9 @@ void x8_tiled(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* o
       const int64_t b1 = std::min(blocks, b0 + TILE_BLOCKS);
       pack_rows(x.data() + m0, mt, b0, b1, packed.data());
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        std::vector<__m256> acc(mt);
-        std::vector<__m256i> sum(mt);
-        x8_tile_times<Block>(w, blocks, x.data() + m0, packed.data(), mt, b0, b1, g0, g1, out + m0 * ldo, ldo,
-                             acc.data(), sum.data());
+        for (int64_t group = g0; group < g1; ++group)
+          x8_group<Block>(w + group * blocks * Block::BYTES, b0, b1, x.data() + m0, mt,
+                          PackedInputs{packed.data(), mt, b0}, out + m0 * ldo + 8 * group, ldo, 1);
       });
     }
   }

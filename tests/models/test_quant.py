@@ -69,7 +69,7 @@ def test_each_row_is_bitwise_its_one_row_product(qtype, rows, kernel_module):
     data = kernel_layout(random_blocks(qtype, rows, 512, seed=2))
     x = torch.randn(17, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [data], None, rows) for i in range(17)])
-    for count in (2, 3, 8, 17):
+    for count in (2, 3, 8, 11, 17):
         assert torch.equal(kernel_module.quant_linear(x[:count], [data], None, rows), alone[:count])
 
 
@@ -85,6 +85,24 @@ def test_long_passes_are_bitwise_one_row_products(qtype, rows, kernel_module):
     alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [data], None, rows) for i in range(130)])
     for count in (32, 64, 130):
         assert torch.equal(kernel_module.quant_linear(x[:count], [data], None, rows), alone[:count])
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_every_build_this_cpu_runs_gives_the_same_products(qtype, kernel_module):
+    """VNNI's VPDPBUSD (AVX-512 and AMX builds) and AVX2's PMADDUBSW + PMADDWD reach the
+    same integer sums, so every build gives bitwise the same output: a quantized model
+    decodes alike on every kind of CPU that runs it."""
+    from specdecode.models import kernels
+
+    kinds = [kind for kind in kernels.KINDS if kernels.cpu_has(kind)]
+    if len(kinds) < 2:
+        pytest.skip(f"this CPU runs one build only ({', '.join(kinds)})")
+    data = kernel_layout(random_blocks(qtype, 64, 17 * 256, seed=9))
+    x = torch.randn(40, 17 * 256, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    for count in (1, 2, 5, 9, 40):
+        products = {kind: kernels._build(kind).quant_linear(x[:count], [data], None, 64) for kind in kinds}
+        for kind, y in products.items():
+            assert torch.equal(y, products[kinds[0]]), (kind, kinds[0], count)
 
 
 def test_stacked_parts_of_mixed_types_equal_their_products_side_by_side(kernel_module):
