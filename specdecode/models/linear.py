@@ -45,13 +45,13 @@ def _is_cpu_bf16(weight: torch.Tensor) -> bool:
 
 
 # Rows up to which a product's rows are bitwise independent of the row count, per backend:
-# any number on the AMX and AVX2 kernels and on quantized blocks (one code path per row),
+# any number on the AMX, AVX-512 and AVX2 kernels and on quantized blocks (one code path per row),
 # 11 on oneDNN's packing
 # (measured); F.linear: bf16 on an AVX2-only CPU measured to 64 rows. A bf16 verify pass
 # must stay within it. fp32 F.linear is not invariant at all (on Zen 3 a one-row product
 # rounds differently from two rows, MKL's GEMV against its GEMM), so fp32 speculative
 # output equals plain decoding only up to those last-bit differences: no bound helps there.
-ROW_INVARIANT_ROWS = {"amx": None, "avx2": None, "onednn": 11, "torch": None, "quant": None}
+ROW_INVARIANT_ROWS = {"amx": None, "avx512": None, "avx2": None, "onednn": 11, "torch": None, "quant": None}
 
 
 class Linear:

@@ -179,7 +179,7 @@ class QuantLinear:
 
     def __init__(self, parts: list[QuantTensor], bias: torch.Tensor | None = None):
         if kernels.kernel() is None:
-            raise SpecDecodeError("quantized weights run on the project's AVX2 kernel, which is not available here "
+            raise SpecDecodeError("quantized weights run on the project's kernels, which are not available here "
                                   f"(see {kernels.KERNEL_ENV}); use --dtype bf16")
         unsupported = sorted({p.qtype.name for p in parts if p.qtype not in KERNEL_TYPES})
         if unsupported:
