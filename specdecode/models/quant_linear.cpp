@@ -52,11 +52,12 @@ inline float half_to_float(const uint8_t* p) {
 }
 
 // One row's activations quantized to 8 bits: per block a scale, the values and the sums of
-// each 16 values, which carry the weights' offsets (Q4_K's mins, Q6_K's -32, Q4_x's).
+// each 16 and each 32 values, which carry the weights' offsets (Q4_K's mins, Q6_K's -32,
+// Q4_x's). A sum of 32 is at most 32 x 127 = 4064: int16.
 struct Q8Row {
   std::vector<float> d;
   std::vector<int8_t> q;
-  std::vector<int16_t> sums16;
+  std::vector<int16_t> sums16, sums32;
 };
 
 // A run of quantized rows: all of a call's, or a tile of them.
@@ -88,6 +89,8 @@ Q8Row quantize_row(const float* x, int64_t K, int64_t block) {
     for (int i = 0; i < 16; ++i) s += row.q[g * 16 + i];
     row.sums16[g] = static_cast<int16_t>(s);
   }
+  row.sums32.resize(K / 32);
+  for (int64_t g = 0; g < K / 32; ++g) row.sums32[g] = static_cast<int16_t>(row.sums16[2 * g] + row.sums16[2 * g + 1]);
   return row;
 }
 
@@ -99,6 +102,14 @@ inline float hsum(__m256 v) {
 }
 
 inline __m256i load32(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Two adjacent int16 sums, p[0] in the low half and p[1] in the high half of every 32-bit
+// lane (one broadcast load), to multiply pairs of int16 weights' scales with PMADDWD.
+inline __m256i broadcast_pair(const int16_t* p) {
+  int32_t two;
+  std::memcpy(&two, p, 4);
+  return _mm256_set1_epi32(two);
+}
 
 // Four int8 inputs at q, repeated in every 32-bit lane.
 inline __m256i broadcast4(const int8_t* q) {
@@ -299,12 +310,11 @@ struct Q4KX8 {
   }
 
   void finish(const Q8Row& x, int64_t b, __m256i sum, __m256& acc) const {
-    const int16_t* s16 = x.sums16.data() + b * 16;
+    const int16_t* s32 = x.sums32.data() + b * 8;
     __m256i offset = _mm256_setzero_si256();
     for (int pair = 0; pair < 4; ++pair) {  // mins of groups 2p, 2p + 1 times their inputs' sums
       const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 128 + 16 * pair)));
-      const int32_t first = s16[4 * pair] + s16[4 * pair + 1], second = s16[4 * pair + 2] + s16[4 * pair + 3];
-      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(mins, _mm256_set1_epi32((second << 16) | (first & 0xFFFF))));
+      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(mins, broadcast_pair(s32 + 2 * pair)));
     }
     const __m256 dx = _mm256_set1_ps(x.d[b]);
     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(sum), acc);
@@ -371,8 +381,7 @@ struct Q6KX8 {
     __m256i offset = _mm256_setzero_si256();
     for (int g = 0; g < 8; ++g) {  // scales of groups 2g, 2g + 1 times their inputs' sums
       const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
-      const __m256i sums = _mm256_set1_epi32((static_cast<int32_t>(s16[2 * g + 1]) << 16) | (s16[2 * g] & 0xFFFF));
-      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pair, sums));
+      offset = _mm256_add_epi32(offset, _mm256_madd_epi16(pair, broadcast_pair(s16 + 2 * g)));
     }
     const __m256i total = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), _mm256_cvtepi32_ps(total), acc);
