@@ -107,6 +107,9 @@ def test_the_policy_says_what_it_chose():
         k = poor.next_k()
         poor.observe(k, 0)  # every draft rejected
     assert poor.describe().startswith("off: acceptance 0.") and f"{break_even_alpha(costs, 8):.2f}" in poor.describe()
+    poor.observe(1, 1)  # a probe accepted at the end raises the estimate, not the reason it stopped
+    stopped_at = float(poor.describe().split()[2])
+    assert stopped_at < break_even_alpha(costs, 8)
     good = AdaptiveK(costs)
     for _ in range(40):
         k = good.next_k()

@@ -112,6 +112,7 @@ class AdaptiveK:
     accepted: float = field(default=0.0, init=False)
     positions: float = field(default=0.0, init=False)  # draft positions the target judged
     rounds_off: int = field(default=0, init=False)
+    alpha_when_off: float = field(default=0.0, init=False)  # the estimate the last time it chose to stop
     history: list[int] = field(default_factory=list, init=False)  # k chosen each round
 
     def fresh(self) -> "AdaptiveK":
@@ -128,6 +129,7 @@ class AdaptiveK:
             return 0
         k, _ = best_k(self.alpha, self.costs, self.k_max)
         if k == 0:
+            self.alpha_when_off = self.alpha
             self.rounds_off += 1
             if self.rounds_off % self.probe_every == 0:
                 k = 1  # a cheap look: does drafting pay again?
@@ -144,7 +146,8 @@ class AdaptiveK:
             return (f"off: a draft step costs {self.costs.draft_ratio:.2f} of a target step here; even drafts "
                     f"always accepted would gain {best_k(1.0, self.costs, self.k_max)[1]:.2f}x")
         if not self.history or off > len(self.history) / 2:
-            return (f"off: acceptance {self.alpha:.2f} does not pay for the draft "
+            # the estimate that switched it off: a probe accepted since may have raised the current one
+            return (f"off: acceptance {self.alpha_when_off:.2f} does not pay for the draft "
                     f"(it pays from {break_even_alpha(self.costs, self.k_max):.2f} here)")
         span = f"{min(drafting)}-{max(drafting)}" if min(drafting) < max(drafting) else f"{drafting[0]}"
         return f"k adaptive {span}, acceptance {self.alpha:.2f}" + (f", off {off} of {len(self.history)} rounds" if off else "")
