@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "bindings.h"
 #include "kernels.h"
 #include "simd_math.h"
 
@@ -131,12 +132,5 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("request_amx", &request_amx);
-  m.def("linear", &linear);
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("rope_qkv", &rope_qkv);
-  m.def("silu_mul", &silu_mul);
-  m.def("cache_attention", &cache_attention);
-  m.def("decoder_stack", &decoder_stack);
-  m.def("quant_linear", &quant_linear);
+  define_shared_kernels(m);
 }
