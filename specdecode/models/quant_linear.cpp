@@ -267,14 +267,38 @@ struct Q80 {
 // `unpack` its group g of 32 values once, `dot` that group with a row's 32 inputs (int32 per
 // output row), and `finish` a row's block sum with its offsets and fp32 scales.
 
+// The vectors a repacked block type's per-row sums live in: one group of eight rows of
+// weights in 256-bit vectors or, with AVX-512 (Q4KPair), two groups' sixteen in 512-bit ones.
+struct Lanes8 {
+  // Rows that share a pass over the weights: with AVX-512's 32 vector registers eight rows'
+  // sums and lanes fit beside the unpacked block, with AVX2's 16 four do.
+#ifdef __AVX512VL__
+  static constexpr int64_t CHUNK_ROWS = 8;
+#else
+  static constexpr int64_t CHUNK_ROWS = 4;
+#endif
+  using Int = __m256i;
+  using Float = __m256;
+  static Int zero_int() { return _mm256_setzero_si256(); }
+  static Int add(Int a, Int b) { return _mm256_add_epi32(a, b); }
+  static Float zero_float() { return _mm256_setzero_ps(); }
+  static Float load_out(const float* p) { return _mm256_loadu_ps(p); }
+  static void store_out(float* p, Float v) { _mm256_storeu_ps(p, v); }
+};
+
+inline void prefetch_block(const uint8_t* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
+}
+
 // Q4_K (repack_q4_k_x8): per block, the eight rows' d and dmin (fp32), their 6-bit scales
 // by group of 32 (a byte each, [group][row]), their mins by pair of groups
 // ([pair][row][2]), then for each group g and j < 4, 32 bytes: byte 4r + i holds row r's
 // value 32g + 8j + i in its low nibble and value 32g + 8j + 4 + i in its high one. A
 // group's eight products are added as int16 (at most 8 x 2 x 15 x 127 = 30480) before its
 // scale applies.
-struct Q4KX8 {
+struct Q4KX8 : Lanes8 {
   static constexpr int64_t BYTES = Q4_K_X8_BYTES;
+  void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
   const uint8_t* blk;
   __m256 d, dmin;
   __m256i v[8], scale, scale32;
@@ -299,9 +323,10 @@ struct Q4KX8 {
 
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
-    __m256i s32 = _mm256_setzero_si256();
-    for (int t = 0; t < 8; ++t) s32 = _mm256_dpbusd_epi32(s32, v[t], broadcast4(q + 4 * t));
-    return _mm256_mullo_epi32(s32, scale32);
+    __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();  // two chains: half the latency
+    for (int t = 0; t < 4; ++t) a = _mm256_dpbusd_epi32(a, v[t], broadcast4(q + 4 * t));
+    for (int t = 4; t < 8; ++t) c = _mm256_dpbusd_epi32(c, v[t], broadcast4(q + 4 * t));
+    return _mm256_mullo_epi32(_mm256_add_epi32(a, c), scale32);
 #else
     __m256i s16 = _mm256_maddubs_epi16(v[0], broadcast4(q));
     for (int t = 1; t < 8; ++t) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(v[t], broadcast4(q + 4 * t)));
@@ -328,8 +353,9 @@ struct Q4KX8 {
 // top two bits of row r's values 32g + 16h + 4k + i at bits 2k, 2k + 1. Values are 0-63,
 // so two products add as int16 (at most 2 x 2 x 63 x 127 = 32004) before a scale applies;
 // the -32 of every value is carried by the scales times the inputs' sums of 16.
-struct Q6KX8 {
+struct Q6KX8 : Lanes8 {
   static constexpr int64_t BYTES = Q6_K_X8_BYTES;
+  void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
   const uint8_t* blk;
   __m256 d;
   __m256i v[8], first, second, first32, second32;
@@ -388,6 +414,105 @@ struct Q6KX8 {
   }
 };
 
+#if defined(VNNI) && defined(__AVX512BW__)
+#define GROUP_PAIRS 1
+// Two adjacent groups of eight rows of weights side by side in 512-bit vectors: each
+// instruction applies a row's broadcast inputs to sixteen rows of weights, half the
+// instructions per product of the one-group types (whose bytes and lanes these read, the
+// first group in the low half). Each lane's operations are the one-group type's, so the
+// output is bitwise the same. Pairs read two streams of weights, which costs where a pass
+// waits on memory: Q4_K takes them from PAIR_MIN_ROWS rows (AMD EPYC Zen 4, 2 threads,
+// 8960 x 1536: 8 rows 0.72 -> 0.39 ms, 64 rows 6.2 -> 3.6 ms; streaming 131 MB, 2 and
+// 4 rows were 1.4-2.2x slower, 8 rows 1.1x faster). Q6_K pairs gained nothing in cache
+// and lost streaming (its two scale products per group bound it, not instructions).
+constexpr int64_t PAIR_MIN_ROWS = 8;
+struct Lanes16 {
+  static constexpr int64_t CHUNK_ROWS = 8;
+  using Int = __m512i;
+  using Float = __m512;
+  static Int zero_int() { return _mm512_setzero_si512(); }
+  static Int add(Int a, Int b) { return _mm512_add_epi32(a, b); }
+  static Float zero_float() { return _mm512_setzero_ps(); }
+  static Float load_out(const float* p) { return _mm512_loadu_ps(p); }
+  static void store_out(float* p, Float v) { _mm512_storeu_ps(p, v); }
+};
+
+inline __m512i load_two32(const uint8_t* a, const uint8_t* b) {  // 32 bytes at a, then 32 at b
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load32(a)), load32(b), 1);
+}
+inline __m256i load_two16(const uint8_t* a, const uint8_t* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+}
+inline __m128i load_two8(const uint8_t* a, const uint8_t* b) {
+  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+}
+inline __m512 load_two_ps(const uint8_t* a, const uint8_t* b) {
+  return _mm512_castsi512_ps(load_two32(a, b));
+}
+inline __m512i broadcast4_512(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, 4);
+  return _mm512_set1_epi32(four);
+}
+inline __m512i broadcast_pair_512(const int16_t* p) {
+  int32_t two;
+  std::memcpy(&two, p, 4);
+  return _mm512_set1_epi32(two);
+}
+
+struct Q4KPair : Lanes16 {
+  static constexpr int64_t BYTES = Q4_K_X8_BYTES;  // a block of one group
+  int64_t stride = 0;  // bytes from a block of the first group to the second's
+  const uint8_t* blk;
+  __m512 d, dmin;
+  __m512i v[8], scale32;
+
+  void prefetch(const uint8_t* b) const {
+    prefetch_block(b, BYTES);
+    prefetch_block(b + stride, BYTES);
+  }
+
+  void load(const uint8_t* b) {
+    blk = b;
+    d = load_two_ps(b, b + stride);
+    dmin = load_two_ps(b + 32, b + stride + 32);
+  }
+
+  void unpack(int g) {
+    scale32 = _mm512_cvtepu8_epi32(load_two8(blk + 64 + 8 * g, blk + stride + 64 + 8 * g));
+    const __m512i low = _mm512_set1_epi8(0xF);
+    for (int j = 0; j < 4; ++j) {
+      const int64_t at = 192 + 32 * (4 * g + j);
+      const __m512i raw = load_two32(blk + at, blk + stride + at);
+      v[2 * j] = _mm512_and_si512(raw, low);
+      v[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+  }
+
+  __m512i dot(const int8_t* q) const {
+    __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) a = _mm512_dpbusd_epi32(a, v[t], broadcast4_512(q + 4 * t));
+    for (int t = 4; t < 8; ++t) c = _mm512_dpbusd_epi32(c, v[t], broadcast4_512(q + 4 * t));
+    return _mm512_mullo_epi32(_mm512_add_epi32(a, c), scale32);
+  }
+
+  void finish(const Q8Row& x, int64_t b, __m512i sum, __m512& acc) const {
+    const int16_t* s32 = x.sums32.data() + b * 8;
+    __m512i offset = _mm512_setzero_si512();
+    for (int pair = 0; pair < 4; ++pair) {
+      const __m512i mins = _mm512_cvtepu8_epi16(load_two16(blk + 128 + 16 * pair, blk + stride + 128 + 16 * pair));
+      offset = _mm512_add_epi32(offset, _mm512_madd_epi16(mins, broadcast_pair_512(s32 + 2 * pair)));
+    }
+    const __m512 dx = _mm512_set1_ps(x.d[b]);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sum), acc);
+    acc = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(offset), acc);
+  }
+};
+
+#endif
+
 // Where a row's 32 inputs of group g of block b lie: in the row itself, or in a tile's
 // packed copy (pack_rows).
 struct RowInputs {
@@ -408,69 +533,81 @@ struct PackedInputs {
 // and their finishing are the same operations in the same order for any R, any chunking
 // of rows and any range of blocks: a row's output is bitwise what one row alone gives.
 template <typename Block, int R, typename Inputs>
-void x8_group_rows(const uint8_t* base, int64_t b0, int64_t b1, const Q8Row* x, Inputs in, float* out, int64_t ldo,
-                   int64_t prefetch_blocks) {
-  __m256 acc[R];
-  __m256i sum[R];
-  for (int m = 0; m < R; ++m) acc[m] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + m * ldo);
-  Block block;
+void x8_group_rows(const Block& kind, const uint8_t* base, int64_t b0, int64_t b1, const Q8Row* x, Inputs in,
+                   float* out, int64_t ldo, int64_t prefetch_blocks) {
+  typename Block::Float acc[R];
+  typename Block::Int sum[R];
+  for (int m = 0; m < R; ++m) acc[m] = b0 == 0 ? Block::zero_float() : Block::load_out(out + m * ldo);
+  Block block = kind;
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = base + b * Block::BYTES;
-    for (int line = 0; line < Block::BYTES; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + prefetch_blocks * Block::BYTES + line), _MM_HINT_T0);
+    block.prefetch(blk + prefetch_blocks * Block::BYTES);
     block.load(blk);
-    for (int m = 0; m < R; ++m) sum[m] = _mm256_setzero_si256();
+    for (int m = 0; m < R; ++m) sum[m] = Block::zero_int();
     for (int g = 0; g < 8; ++g) {
       block.unpack(g);
-      for (int m = 0; m < R; ++m) sum[m] = _mm256_add_epi32(sum[m], block.dot(in.at(m, b, g)));
+      for (int m = 0; m < R; ++m) sum[m] = Block::add(sum[m], block.dot(in.at(m, b, g)));
     }
     for (int m = 0; m < R; ++m) block.finish(x[m], b, sum[m], acc[m]);
   }
-  for (int m = 0; m < R; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+  for (int m = 0; m < R; ++m) Block::store_out(out + m * ldo, acc[m]);
 }
-
-// Rows that share a pass over a group's weights: with AVX-512's 32 vector registers eight
-// rows' sums and lanes fit beside the unpacked block, with AVX2's 16 four do.
-#ifdef __AVX512VL__
-constexpr int64_t CHUNK_ROWS = 8;
-#else
-constexpr int64_t CHUNK_ROWS = 4;
-#endif
 
 // Rows [0, M) of x, CHUNK_ROWS at a time, times one group of eight rows of weights over
 // blocks [b0, b1) (see x8_group_rows). The group's weights (1-7 KB a block range) stay in
 // cache from one chunk of rows to the next.
 template <typename Block, typename Inputs>
-void x8_group(const uint8_t* base, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, Inputs in, float* out,
-              int64_t ldo, int64_t prefetch_blocks) {
-  for (int64_t m0 = 0; m0 < M; m0 += CHUNK_ROWS) {
+void x8_group(const Block& kind, const uint8_t* base, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, Inputs in,
+              float* out, int64_t ldo, int64_t prefetch_blocks) {
+  for (int64_t m0 = 0; m0 < M; m0 += Block::CHUNK_ROWS) {
     Inputs chunk = in;
     if constexpr (std::is_same_v<Inputs, RowInputs>) chunk.x += m0;
     else chunk.packed += 32 * m0;
     const Q8Row* xc = x + m0;
     float* oc = out + m0 * ldo;
-    switch (std::min(CHUNK_ROWS, M - m0)) {
-      case 1: x8_group_rows<Block, 1>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
-      case 2: x8_group_rows<Block, 2>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
-      case 3: x8_group_rows<Block, 3>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
-      case 4: x8_group_rows<Block, 4>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+    switch (std::min(Block::CHUNK_ROWS, M - m0)) {
+      case 1: x8_group_rows<Block, 1>(kind, base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 2: x8_group_rows<Block, 2>(kind, base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 3: x8_group_rows<Block, 3>(kind, base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 4: x8_group_rows<Block, 4>(kind, base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
 #ifdef __AVX512VL__
-      case 5: x8_group_rows<Block, 5>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
-      case 6: x8_group_rows<Block, 6>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
-      case 7: x8_group_rows<Block, 7>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
-      case 8: x8_group_rows<Block, 8>(base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 5: x8_group_rows<Block, 5>(kind, base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 6: x8_group_rows<Block, 6>(kind, base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 7: x8_group_rows<Block, 7>(kind, base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
+      case 8: x8_group_rows<Block, 8>(kind, base, b0, b1, xc, chunk, oc, ldo, prefetch_blocks); break;
 #endif
     }
   }
+}
+
+// Groups [g0, g1) of eight rows of weights (`w`: each group's `blocks` blocks in turn)
+// times rows [0, M) of x over blocks [b0, b1): out[m * ldo + 8 * group + r]. With AVX-512,
+// two adjacent groups at a time where the call has at least PAIR_MIN_ROWS rows.
+template <typename Block, typename Inputs>
+void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t b0, int64_t b1, const Q8Row* x,
+               int64_t M, Inputs in, float* out, int64_t ldo, int64_t prefetch_blocks) {
+  const int64_t group_bytes = blocks * Block::BYTES;
+  int64_t group = g0;
+#ifdef GROUP_PAIRS
+  if constexpr (std::is_same_v<Block, Q4KX8>) {
+    if (M >= PAIR_MIN_ROWS) {
+      Q4KPair pair;
+      pair.stride = group_bytes;
+      for (; group + 1 < g1; group += 2)
+        x8_group(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
+    }
+  }
+#endif
+  for (; group < g1; ++group)
+    x8_group(Block{}, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
 }
 
 // out[m * ldo + 8 * group + r] for groups [g0, g1) of eight rows of `w` (repacked) times
 // activation row m, over all blocks.
 template <typename Block>
 void x8_rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
-  for (int64_t group = g0; group < g1; ++group)
-    x8_group<Block>(w + group * blocks * Block::BYTES, 0, blocks, x.data(), x.count, RowInputs{x.data()},
-                    out + 8 * group, ldo, x.count == 1 ? PREFETCH_X8_ONE_ROW : PREFETCH_X8_ROWS);
+  x8_groups<Block>(w, blocks, g0, g1, 0, blocks, x.data(), x.count, RowInputs{x.data()}, out, ldo,
+                   x.count == 1 ? PREFETCH_X8_ONE_ROW : PREFETCH_X8_ROWS);
 }
 
 // out[m * ldo + n] = row n of `w` (rows [n0, n1)) times activation row m, blocks summed in
@@ -545,9 +682,8 @@ void x8_tiled(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* o
       const int64_t b1 = std::min(blocks, b0 + TILE_BLOCKS);
       pack_rows(x.data() + m0, mt, b0, b1, packed.data());
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        for (int64_t group = g0; group < g1; ++group)
-          x8_group<Block>(w + group * blocks * Block::BYTES, b0, b1, x.data() + m0, mt,
-                          PackedInputs{packed.data(), mt, b0}, out + m0 * ldo + 8 * group, ldo, 1);
+        x8_groups<Block>(w, blocks, g0, g1, b0, b1, x.data() + m0, mt, PackedInputs{packed.data(), mt, b0},
+                         out + m0 * ldo, ldo, 1);
       });
     }
   }
