@@ -46,6 +46,10 @@ def test_costs_are_measured_once_then_read_back(home, tiny_pair, monkeypatch):
     monkeypatch.setattr(probe.machine, "fingerprint", lambda: {"cpu": "another CPU", "kernel": "avx2", "threads": 2})
     assert probe.cache_path(target, draft) != files[0]  # another machine measures its own
     monkeypatch.undo()
+    monkeypatch.setattr(probe.kernels, "kernel_kind", lambda: "avx2")
+    monkeypatch.setattr(probe.kernels, "source_tag", lambda kind: "another version")
+    assert probe.cache_path(target, draft) != files[0]  # so do other kernels on this one
+    monkeypatch.undo()
     monkeypatch.setattr(probe, "home", lambda: home)
     # prompt lookup (no draft model) gets figures of its own
     lookup_costs = probe.measured_costs(target, None)

@@ -120,6 +120,14 @@ def kernel_kind() -> str | None:
     return None if module is None else module.kind
 
 
+@functools.cache
+def source_tag(kind: str) -> str:
+    """A hash of a build's sources and torch's version: it names the build's folder, and
+    costs measured on one version of the kernels are not read back for another."""
+    files = SOURCES[kind] + HEADERS[kind]
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files) + torch.__version__.encode()).hexdigest()[:12]
+
+
 def _build(kind: str):
     import shutil
 
@@ -130,9 +138,7 @@ def _build(kind: str):
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-    files = SOURCES[kind] + HEADERS[kind]
-    tag = hashlib.sha256(b"".join(p.read_bytes() for p in files) + torch.__version__.encode()).hexdigest()[:12]
-    build_dir = home() / "kernels" / f"{kind}-{tag}"
+    build_dir = home() / "kernels" / f"{kind}-{source_tag(kind)}"
     build_dir.mkdir(parents=True, exist_ok=True)
     lock = build_dir / "lock"  # torch's build lock; a build killed midway leaves it behind forever
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:

@@ -9,7 +9,8 @@ slower than plain decoding on another, so the first generation with a drafter on
 $SPECDECODE_HOME/costs; later runs read them back.
 
 Costs depend on the models' shapes and dtype, not on their weights, so the cache key is
-the shapes, the dtype and the machine's fingerprint (machine.py).
+the shapes, the dtype, the machine's fingerprint (machine.py) and the version of its
+kernels (a new version measures again).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import logging
 from pathlib import Path
 
+from specdecode.models import kernels
 from specdecode.models.store import home
 from specdecode.policy import machine
 from specdecode.policy.adaptive import CostModel
@@ -41,8 +43,9 @@ def shape_of(model) -> str:
 
 
 def cache_path(target_model, draft_model) -> Path:
+    kind = kernels.kernel_kind()
     key = json.dumps([shape_of(target_model), shape_of(draft_model) if draft_model is not None else None,
-                      machine.fingerprint(), PROBE_SIZES, CATCH_UP_ROWS])
+                      machine.fingerprint(), kernels.source_tag(kind) if kind else None, PROBE_SIZES, CATCH_UP_ROWS])
     return home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
