@@ -1,7 +1,7 @@
 """A GGUF file's tensors under transformers' names, matrices kept in their quantized blocks.
 
 The `gguf` package reads the file; each matrix becomes a `QuantTensor` holding the file's
-own bytes (types the kernel has no product for, such as Q5_0, are dequantized by the
+own bytes (types the kernel has no product for, such as Q5_1, are dequantized by the
 package and quantized again to Q8_0, with a note), and vectors (norms, biases) become
 float tensors. llama.cpp's converter permutes the rows of a Llama model's q and k
 projections for its rope; those rows are put back in transformers' order, which moves

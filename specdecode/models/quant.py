@@ -2,7 +2,7 @@
 
 A `QuantTensor` is a matrix in one of the block types the kernel multiplies
 (quant_linear.cpp): the K-quants Q4_K and Q6_K that llama.cpp's Q4_K_M files use, and
-Q8_0, Q4_0, Q4_1. Its bytes are GGUF's own, one row of blocks per output, so a GGUF file's
+Q8_0, Q4_0, Q4_1 and Q5_0 (the types of llama.cpp's small draft models). Its bytes are GGUF's own, one row of blocks per output, so a GGUF file's
 tensors are used without conversion, and a bf16 or fp32 matrix is quantized to Q8_0 or
 Q4_0 by the `gguf` package (which also dequantizes, for embeddings and for the tests'
 reference).
@@ -25,7 +25,7 @@ from specdecode.models import kernels
 from specdecode.models.huge_pages import on_huge_pages
 
 # The block types the kernel runs (it tells them apart by bytes per block).
-KERNEL_TYPES = tuple(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1"))
+KERNEL_TYPES = tuple(GGMLQuantizationType[name] for name in ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0"))
 # What a float matrix may be quantized to here (the `gguf` package quantizes these).
 Q8_0, Q4_0 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0
 QUANTIZABLE = {"q8_0": Q8_0, "q4_0": Q4_0}

@@ -3,7 +3,7 @@
 // W is one or more parts stacked along the outputs (a fused q|k|v may mix Q4_K and Q6_K
 // rows), each a uint8 tensor (rows, blocks per row, bytes per block) in GGUF's own row
 // layout; the bytes per block name the type (quant.py): 144 Q4_K, 210 Q6_K, 34 Q8_0,
-// 18 Q4_0, 20 Q4_1, and 1216 and 1696 for Q4_K and Q6_K repacked eight rows at a time (below).
+// 18 Q4_0, 20 Q4_1, 22 Q5_0, and 1216 and 1696 for Q4_K and Q6_K repacked eight rows at a time (below).
 //
 // Each row of x is quantized on its own, as llama.cpp does: to 8 bits per 256 values with
 // one fp32 scale and the sums of each 16 (Q8_K) for the K-quants, per 32 for the others. A weight
@@ -41,7 +41,8 @@ constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied b
 // against 30-39); eight rows: 6-10 GB/s so, 10-12 two blocks ahead.
 constexpr int64_t PREFETCH_X8_ONE_ROW = 0, PREFETCH_X8_ROWS = 2;
 constexpr int64_t TILE_ROWS = 64, TILE_BLOCKS = 16;  // a long pass's tile of inputs: 64 rows x 16 blocks
-constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20;
+constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20,
+                  Q5_0_BYTES = 22;
 constexpr int64_t Q4_K_X8_BYTES = 1216;  // eight rows' Q4_K blocks, repacked (Q4KX8)
 constexpr int64_t Q6_K_X8_BYTES = 1696;  // eight rows' Q6_K blocks, repacked (Q6KX8)
 
@@ -238,6 +239,37 @@ struct Q4Legacy {
       p = _mm256_sub_epi32(p, _mm256_setr_epi32(8 * sum, 0, 0, 0, 0, 0, 0, 0));
       acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(p), acc);
     }
+  }
+};
+
+// Q5_0: d (fp16), the fifth bits of 32 values (bit j of a uint32 is value j's), and their
+// low four bits as Q4_0 lays them out; a value is d * (q - 16). Values are 0-31, so two
+// products fit an int16 (2 x 31 x 127).
+struct Q50 {
+  static constexpr int64_t BYTES = Q5_0_BYTES, VALUES = QK8_0;
+  __m256i v;
+  float d;
+
+  void unpack(const uint8_t* b) {
+    d = half_to_float(b);
+    uint32_t high;
+    std::memcpy(&high, b + 2, 4);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
+    const __m128i low = _mm_set1_epi8(0xF);
+    // byte j of `bits` is 0xFF where bit j of `high` is set: byte j takes high's byte j / 8,
+    // then every bit but j % 8 is set by the mask, so only a set bit j makes it all ones
+    __m256i bits = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(high)),
+                                       _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    bits = _mm256_cmpeq_epi8(_mm256_or_si256(bits, _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE)), _mm256_set1_epi64x(-1));
+    v = _mm256_or_si256(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low)),
+                        _mm256_and_si256(bits, _mm256_set1_epi8(0x10)));
+  }
+
+  void dot(const Q8Row& x, int64_t b, __m256& acc) const {
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(v, load32(x.q.data() + b * QK8_0)), _mm256_set1_epi16(1));
+    const int32_t sum = x.sums16[2 * b] + x.sums16[2 * b + 1];
+    p = _mm256_sub_epi32(p, _mm256_setr_epi32(16 * sum, 0, 0, 0, 0, 0, 0, 0));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(x.d[b] * d), _mm256_cvtepi32_ps(p), acc);
   }
 };
 
@@ -697,9 +729,11 @@ int64_t block_values(int64_t bytes) {
     case Q6_K_BYTES: return QK_K;
     case Q8_0_BYTES:
     case Q4_0_BYTES:
-    case Q4_1_BYTES: return QK8_0;
+    case Q4_1_BYTES:
+    case Q5_0_BYTES: return QK8_0;
   }
-  TORCH_CHECK(false, "quant_linear: unknown block of ", bytes, " bytes (Q4_K 144, Q6_K 210, Q8_0 34, Q4_0 18, Q4_1 20)");
+  TORCH_CHECK(false, "quant_linear: unknown block of ", bytes,
+              " bytes (Q4_K 144, Q6_K 210, Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22)");
 }
 
 }  // namespace
@@ -762,6 +796,7 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
         else if (bytes == Q6_K_BYTES) rows_times_any<Q6K, false>(w, blocks, kt, n0, n1, tile_out, N);
         else if (bytes == Q8_0_BYTES) rows_times_any<Q80, false>(w, blocks, t32, n0, n1, tile_out, N);
         else if (bytes == Q4_0_BYTES) rows_times_any<Q4Legacy<false>, false>(w, blocks, t32, n0, n1, tile_out, N);
+        else if (bytes == Q5_0_BYTES) rows_times_any<Q50, false>(w, blocks, t32, n0, n1, tile_out, N);
         else rows_times_any<Q4Legacy<true>, false>(w, blocks, t32, n0, n1, tile_out, N);
       });
     }

@@ -17,7 +17,7 @@ from specdecode.models.native import NativeModel
 from specdecode.models.quant import KERNEL_TYPES, X8_BYTES, QuantLinear, QuantTensor, kernel_layout
 from tests.conftest import assert_verify_pass_equals_one_token_passes
 
-FP16_FIELDS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2)}  # byte offsets of scales
+FP16_FIELDS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,)}  # byte offsets of scales
 
 
 def random_blocks(qtype, rows: int, cols: int, seed: int = 0) -> QuantTensor:
