@@ -3,7 +3,7 @@
 A tree's best shape depends on the machine as much as on the heads: the verify curve,
 the head's step and each extra path's attention call are measured where it runs, while
 the heads' held-out accuracy by depth and rank is stored in the artifact at training.
-Heads trained on another machine (the shipped SmolLM2 ones) or before a kernel change
+Heads trained on another machine (the shipped ones) or before a kernel change
 get a shape fitted to this one in a minute, without training: by this command, or on
 first use where the artifact records another machine (policy/machine.py, heads/loading.py). The
 artifact is written beside the target's cached weights (or to --out), where it is found
