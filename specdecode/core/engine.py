@@ -164,8 +164,11 @@ def _verify_tree(target, cache, pending: int, proposal, sampling: SamplingConfig
     tree = proposal.tree
     node_tokens = torch.cat([torch.tensor([pending]), proposal.tokens])  # (N+1,)
     start = cache.length
-    positions, mask = tree_attention(tree, start)
-    out = target(node_tokens[None], cache, positions=positions, mask=mask, hidden_layers=layers)
+    if tree.num_nodes == 1:  # the root alone (the gate closed, or no tree pays here): a plain step's pass
+        out = target(node_tokens[None], cache, hidden_layers=layers)
+    else:
+        positions, mask = tree_attention(tree, start)
+        out = target(node_tokens[None], cache, positions=positions, mask=mask, hidden_layers=layers)
     logits = out.logits[0]  # (N+1, V)
     if sampling.greedy:
         path, next_token = greedy_tree(node_tokens, tree, logits.argmax(dim=-1))

@@ -74,6 +74,9 @@ class KVCache:
             raise ValueError(f"compact indices must ascend within [0, {self.length}): {idx.tolist()}")
         start = int(idx[0])
         end = start + idx.numel()
+        if int(idx[-1]) == end - 1:  # already contiguous (a root alone, a path down the first slots): no copy
+            self.length = end
+            return
         # index_select copies first, so overlapping source and destination slots are safe.
         self.keys[:, :, :, start:end] = self.keys.index_select(3, idx)
         self.values[:, :, :, start:end] = self.values.index_select(3, idx)
