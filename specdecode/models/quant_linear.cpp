@@ -14,6 +14,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -70,29 +71,54 @@ struct Rows {
   const Q8Row& operator[](int64_t i) const { return first[i]; }
 };
 
-// x (K floats) -> blocks of `block` values scaled to [-127, 127], rounded to nearest even.
+// x (K floats) -> blocks of `block` values (a multiple of 32) scaled to [-127, 127],
+// rounded to nearest even (the default rounding of CVTPS2DQ, as std::nearbyint's). The
+// maximum is exact in any order, so eight lanes give the scalar loop's scale bitwise.
 Q8Row quantize_row(const float* x, int64_t K, int64_t block) {
   Q8Row row;
   const int64_t n = K / block;
   row.d.resize(n);
   row.q.resize(K);
   row.sums16.resize(K / 16);
+  row.sums32.resize(K / 32);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
   for (int64_t b = 0; b < n; ++b) {
     const float* xb = x + b * block;
-    float amax = 0.f;
-    for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    __m256 amax8 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < block; i += 8) amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     const float iscale = amax > 0.f ? 127.f / amax : 0.f;
     row.d[b] = amax / 127.f;
-    for (int64_t i = 0; i < block; ++i) row.q[b * block + i] = static_cast<int8_t>(std::nearbyint(xb[i] * iscale));
+    const __m256 scale8 = _mm256_set1_ps(iscale);
+    for (int64_t i = 0; i < block; i += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), scale8));
+      const __m256i packed = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(row.q.data() + b * block + i), packed);
+    }
   }
   for (int64_t g = 0; g < K / 16; ++g) {
     int32_t s = 0;
     for (int i = 0; i < 16; ++i) s += row.q[g * 16 + i];
     row.sums16[g] = static_cast<int16_t>(s);
   }
-  row.sums32.resize(K / 32);
   for (int64_t g = 0; g < K / 32; ++g) row.sums32[g] = static_cast<int16_t>(row.sums16[2 * g] + row.sums16[2 * g + 1]);
   return row;
+}
+
+// Every row of x (M, K) quantized on its own (quantize_row), rows in parallel where there
+// are enough values to pay for the threads.
+std::vector<Q8Row> quantize_rows(const float* x, int64_t M, int64_t K, int64_t block) {
+  std::vector<Q8Row> rows(M);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / K);
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) rows[m] = quantize_row(x + m * K, K, block);
+  });
+  return rows;
 }
 
 inline float hsum(__m256 v) {
@@ -757,11 +783,8 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     rows += p.size(0) * (p.size(2) == Q4_K_X8_BYTES || p.size(2) == Q6_K_X8_BYTES ? 8 : 1);
   }
   TORCH_CHECK(rows == N, "quant_linear: the parts hold ", rows, " rows, not ", N);
-  std::vector<Q8Row> x8k, x80;
-  for (int64_t m = 0; m < M; ++m) {
-    if (k_quants) x8k.push_back(quantize_row(xp + m * K, K, QK_K));
-    if (q8_0) x80.push_back(quantize_row(xp + m * K, K, QK8_0));
-  }
+  const std::vector<Q8Row> x8k = k_quants ? quantize_rows(xp, M, K, QK_K) : std::vector<Q8Row>{},
+                           x80 = q8_0 ? quantize_rows(xp, M, K, QK8_0) : std::vector<Q8Row>{};
   auto y = torch::empty({M, N}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   int64_t first = 0;
