@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.policy import goodput
-from specdecode.policy.goodput import GoodputController, PassCosts, best_draft_lengths
+from specdecode.policy.goodput import GoodputController, PassCosts, best_draft_lengths, start_cost
 
 # Passes that cost the same up to 8 rows, then grow with every row (a CPU where a pass is
 # bound by its weights up to 8 rows and by arithmetic past them), in seconds.
@@ -50,6 +50,30 @@ def test_sequences_the_controller_does_not_steer_count_their_rows():
     beside, gain = best_draft_lengths([0.8], KNEE, 0.0, 8, others=[1] * 5)  # 5 plain rows: 2 rows left free
     assert alone == [7] and beside == [2]
     assert gain == pytest.approx((6 + 0.8 + 0.64) / 6)
+
+
+def test_a_catch_up_is_spread_over_the_steps_a_sequence_has_left():
+    assert start_cost(0, 0.01, 50, 0.8) == 0.0  # a drafter in step with the context starts free
+    assert start_cost(200, 0.01, 90, 0.8) == pytest.approx(200 * 0.01 / 50)  # 90 tokens at 1.8 a step
+    assert start_cost(200, 0.01, 1, 0.8) == pytest.approx(2.0)  # the last step bears it whole
+
+
+def test_a_sequence_whose_drafter_must_catch_up_drafts_only_where_that_pays():
+    # two sequences alike but for their start cost: one row each is free (KNEE), so both
+    # would draft; the one whose catch-up outweighs its gain stays plain
+    free, _ = best_draft_lengths([0.8, 0.8], KNEE, 0.0, 8)
+    assert free[0] > 0 and free[1] > 0
+    lengths, gain = best_draft_lengths([0.8, 0.8], KNEE, 0.0, 8, start_s=[0.0, 0.5])
+    assert lengths[0] > 0 and lengths[1] == 0
+    assert gain == pytest.approx(best_draft_lengths([0.8], KNEE, 0.0, 8, others=[1])[1])
+
+
+def test_the_controller_starts_a_draft_model_early_in_a_generation_not_at_its_end():
+    controller = GoodputController(KNEE, k_max=8, catch_up_token_s=0.002)
+    # 300 unread context tokens: 0.6 s, over 200 tokens left (~110 steps) it pays, over 3 it does not
+    assert controller.choose([0.8], catch_up=[(300, 200)])[0] > 0
+    assert controller.choose([0.8], catch_up=[(300, 3)]) == [0]
+    assert controller.choose([0.8], catch_up=[(1, 3)])[0] > 0  # in step with the context: no catch-up
 
 
 def test_the_controller_switches_off_probes_and_comes_back():

@@ -26,6 +26,7 @@ from specdecode.server.metrics import ServerMetrics
 from specdecode.server.scheduler import Scheduler
 
 MAX_PASS_ROWS = 128  # the widest pass the controller's cost curve measures; past it, its last slope
+CATCH_UP_ROWS = 64  # a draft model's catch-up is priced per token as a pass over this many rows
 
 
 def build_service(args, drafter_name: str):
@@ -34,7 +35,7 @@ def build_service(args, drafter_name: str):
     model = target.model
     rows = getattr(model, "row_invariant_rows", None)  # a sequence's pass past it would round differently
     k_max = args.k_max if rows is None else min(args.k_max, rows - 1)
-    new_drafter, draft_token_s = None, 0.0
+    new_drafter, draft_token_s, catch_up_token_s = None, 0.0, 0.0
     pass_costs = goodput.measured(model, min(MAX_PASS_ROWS, args.max_batch * (k_max + 1)))
     if drafter_name == "prompt-lookup":
         new_drafter = PromptLookup
@@ -44,11 +45,15 @@ def build_service(args, drafter_name: str):
     elif drafter_name == "draft-model":
         draft = make_draft_model(target, load_model(args.draft, args.dtype)).model
         new_drafter = lambda: DraftModel(draft, model.vocab_size, max_len=1024)  # grows when a context needs it
-        draft_token_s = measured_costs(model, draft).draft_ratio * pass_costs(1)
+        draft_ratio = measured_costs(model, draft).draft_ratio
+        draft_token_s = draft_ratio * pass_costs(1)
+        # a catch-up is a pass over many tokens: priced at the target's per-row cost of a wide pass
+        catch_up_token_s = draft_ratio * pass_costs(CATCH_UP_ROWS) / CATCH_UP_ROWS
     name = args.served_model_name or args.target
     metrics = ServerMetrics(name)
     tree = drafter_name in ("medusa", "eagle")
-    controller = goodput.GoodputController(pass_costs, k_max, draft_token_s) if new_drafter and not tree else None
+    controller = (goodput.GoodputController(pass_costs, k_max, draft_token_s, catch_up_token_s)
+                  if new_drafter and not tree else None)
     scheduler = Scheduler(model, controller, metrics, args.max_batch, args.max_queue)
     context = min(args.max_context, model.max_position_embeddings)
     return Service(scheduler, target.tokenizer, name, frozenset(target.info.eos_token_ids), context, new_drafter,

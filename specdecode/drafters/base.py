@@ -10,8 +10,8 @@ continuations verified in one target pass. Drafters that read the target's own h
 states (Medusa, EAGLE) name the layers in `target_layers`; the engine then hands them,
 after each pass, the hidden states of the positions the target kept (`observe_target`).
 
-The hooks the engine calls on every drafter (`reset`, `gate`, `observe_target`) do
-nothing by default, so the engine never probes for them.
+The hooks the engine and the server's scheduler call on every drafter (`reset`, `gate`,
+`observe_target`, `unread`) do nothing by default, so neither probes for them.
 """
 
 from __future__ import annotations
@@ -53,6 +53,10 @@ class Drafter:
 
     def reset(self) -> None:
         """A new generation starts: forget state that follows the target's features."""
+
+    def unread(self, context: Sequence[int]) -> int:
+        """Context tokens it must read before its next proposal (a draft model's catch-up)."""
+        return 0
 
     def gate(self) -> TreeGate | None:
         """A fresh on/off gate for this generation; None: always on."""

@@ -63,6 +63,9 @@ class DraftModel(Drafter):
             feed = [token]
         return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(probs) if probs else None)
 
+    def unread(self, context: Sequence[int]) -> int:
+        return len(context) - min(_common_prefix(self.cached, context), len(context) - 1)
+
     def sync(self, context: Sequence[int], room: int) -> list[int]:
         """Rewind the cache to its longest common prefix with the context (always leaving
         the last context token out) and return the context tokens still to feed."""

@@ -11,7 +11,12 @@ draft length k_i to maximise expected goodput
 over the batch's sequences i with acceptance α_i (adaptive.expected_tokens), the
 measured time V(n) of a pass over n rows on this machine (`measure`/`measured`, cached
 like the single-sequence probe) and the drafter's time per draft token d (0 for prompt
-lookup). All k_i = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
+lookup). A draft model that has not read a sequence's context yet (a request just
+admitted, or one that has not drafted for a while) must first catch up on it, a pass over
+those tokens; that one-time cost, spread over the sequence's remaining steps (`start_cost`),
+is added to the time of any step in which the sequence drafts, so that a sequence near its
+end, or in a batch where drafting barely pays, does not start a draft model for nothing.
+All k_i = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
 it switches off, probing k = 1 every `probe_every` steps so that a batch that turns
 repetitive gets it back, unless even drafts always accepted would not pay at this batch
 size (then a probe only costs; a batch that shrinks is judged afresh each step). Acceptance per sequence is the adaptive policy's
@@ -62,29 +67,60 @@ class PassCosts:
         return self.seconds[hi] + slope * (rows - hi)  # past the last size: its last slope
 
 
+def start_cost(catch_up_tokens: int, catch_up_token_s: float, remaining_tokens: int, alpha: float) -> float:
+    """Seconds per step that drafting for a sequence adds for its catch-up: the drafter's pass
+    over the context tokens it has not read, spread over the steps the sequence has left
+    (each emits about 1 + α tokens while it drafts)."""
+    if catch_up_tokens <= 0:
+        return 0.0
+    steps_left = max(1.0, remaining_tokens / (1.0 + alpha))
+    return catch_up_tokens * catch_up_token_s / steps_left
+
+
 def best_draft_lengths(alphas: Sequence[float], pass_costs: PassCosts, draft_token_s: float, k_max: int,
-                       others: Sequence[int] = ()) -> tuple[list[int], float]:
+                       others: Sequence[int] = (), start_s: Sequence[float] = ()) -> tuple[list[int], float]:
     """Each sequence's draft length, maximising the batch's expected tokens per second, and
     that rate over plain decoding's (1.0: drafting off), beside sequences the controller does
-    not steer (`others`: their rows, each emitting a token or more).
+    not steer (`others`: their rows, each emitting a token or more). start_s[i] (default 0)
+    is what sequence i adds to a step's time if it drafts at all (`start_cost`).
 
     The j-th draft of sequence i adds α_i^j expected tokens (E(α, k) = Σ α^j, j ≤ k) and one
     row to the pass. So the best use of r extra rows is the r largest α_i^j, and since α_i^j
     falls with j, each sequence's share is a prefix of its drafts: sequences that are
-    accepted more draft further. The best r is the one with the highest rate."""
-    base_rows, tokens = len(alphas) + sum(others), float(len(alphas) + len(others))
-    plain = tokens / pass_costs(base_rows)
-    gains = sorted(((a ** j, i) for i, a in enumerate(alphas) for j in range(1, k_max + 1)), reverse=True)
-    best_rows, best_rate = 0, plain
-    for rows, (gain, _) in enumerate(gains, 1):
+    accepted more draft further. The best r is the one with the highest rate. Start costs
+    break that order, so the sequences allowed to draft are tried as those whose start
+    costs at most t, for each t among them, keeping the best."""
+    base_rows = len(alphas) + sum(others)
+    plain = (len(alphas) + len(others)) / pass_costs(base_rows)
+    starts = list(start_s) + [0.0] * (len(alphas) - len(start_s))
+    best_lengths, best_rate = [0] * len(alphas), plain
+    for limit in sorted(set(starts)):
+        allowed = [i for i, s in enumerate(starts) if s <= limit]
+        lengths, rate = _best_prefix(alphas, allowed, starts, pass_costs, draft_token_s, k_max, base_rows,
+                                     len(alphas) + len(others))
+        if rate > best_rate:
+            best_lengths, best_rate = lengths, rate
+    return best_lengths, best_rate / plain
+
+
+def _best_prefix(alphas: Sequence[float], allowed: Sequence[int], starts: Sequence[float], pass_costs: PassCosts,
+                 draft_token_s: float, k_max: int, base_rows: int, tokens: float) -> tuple[list[int], float]:
+    """best_draft_lengths over the sequences `allowed` to draft: the best number of the
+    largest α_i^j, and its rate."""
+    gains = sorted(((alphas[i] ** j, i) for i in allowed for j in range(1, k_max + 1)), reverse=True)
+    best_rows, best_rate, started, start_total = 0, tokens / pass_costs(base_rows), set(), 0.0
+    for rows, (gain, i) in enumerate(gains, 1):
         tokens += gain
-        rate = tokens / (pass_costs(base_rows + rows) + rows * draft_token_s)
+        if i not in started:
+            started.add(i)
+            start_total += starts[i]
+        rate = tokens / (pass_costs(base_rows + rows) + rows * draft_token_s + start_total)
         if rate > best_rate:
             best_rows, best_rate = rows, rate
     lengths = [0] * len(alphas)
     for _, i in gains[:best_rows]:
         lengths[i] += 1
-    return lengths, best_rate / plain
+    return lengths, best_rate
 
 
 @dataclass
@@ -92,19 +128,24 @@ class GoodputController:
     pass_costs: PassCosts
     k_max: int
     draft_token_s: float = 0.0
+    catch_up_token_s: float = 0.0  # the drafter's time per context token it catches up on (start_cost)
     probe_every: int = 16
     steps_off: int = field(default=0, init=False)
     k: int = field(default=0, init=False)  # the longest draft of the last step, for the metrics
     gain: float = field(default=1.0, init=False)  # its expected rate over plain decoding
 
-    def choose(self, alphas: Sequence[float], others: Sequence[int] = ()) -> list[int]:
+    def choose(self, alphas: Sequence[float], others: Sequence[int] = (),
+               catch_up: Sequence[tuple[int, int]] = ()) -> list[int]:
         """The draft length of each sequence of acceptance alphas in a step, beside others
-        (best_draft_lengths)."""
+        (best_draft_lengths); catch_up[i] = (context tokens its drafter has not read, tokens
+        it may still emit), default (0, any)."""
         if not alphas or self.k_max < 1:
             self.k, self.gain = 0, 1.0
             return [0] * len(alphas)
-        lengths, self.gain = best_draft_lengths(alphas, self.pass_costs, self.draft_token_s, self.k_max, others)
-        if not any(lengths) and self._could_pay(len(alphas), others):
+        start_s = [start_cost(unread, self.catch_up_token_s, left, a) for (unread, left), a in zip(catch_up, alphas)]
+        lengths, self.gain = best_draft_lengths(alphas, self.pass_costs, self.draft_token_s, self.k_max, others,
+                                                start_s)
+        if not any(lengths) and self._could_pay(len(alphas), others, start_s):
             self.steps_off += 1
             if self.steps_off % self.probe_every == 0:
                 lengths = [1] * len(alphas)  # a cheap look: does drafting pay again?
@@ -113,10 +154,11 @@ class GoodputController:
         self.k = max(lengths)
         return lengths
 
-    def _could_pay(self, size: int, others: Sequence[int]) -> bool:
+    def _could_pay(self, size: int, others: Sequence[int], start_s: Sequence[float]) -> bool:
         """Whether drafts always accepted would gain enough to be worth a probe: in a batch
         that fills the pass, a probe's extra rows cost more than any acceptance could bring."""
-        return best_draft_lengths([1.0] * size, self.pass_costs, self.draft_token_s, self.k_max, others)[1] >= PROBE_PAYS
+        return best_draft_lengths([1.0] * size, self.pass_costs, self.draft_token_s, self.k_max, others,
+                                  start_s)[1] >= PROBE_PAYS
 
 
 # Rows of the passes timed: up to a batch of 16 drafting 7 each, geometric past 8.

@@ -210,7 +210,9 @@ class Scheduler:
         chosen = {}
         if auto and self.controller is not None:
             others = [1 + job.k(0) for job in self.running if job not in auto]
-            lengths = self.controller.choose([job.seq.policy.alpha for job in auto], others)
+            catch_up = [(job.seq.drafter.unread(job.seq.context), job.seq.stop.max_new_tokens - len(job.seq.new_tokens))
+                        for job in auto]
+            lengths = self.controller.choose([job.seq.policy.alpha for job in auto], others, catch_up)
             chosen = {id(job): k for job, k in zip(auto, lengths)}
             self.metrics.controller_k.set(self.controller.k)
             self.metrics.controller_gain.set(self.controller.gain)
