@@ -182,6 +182,26 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(server, client):
     assert metric(server, "time_to_first_token_seconds_count") > 0
 
 
+def test_load_reports_what_clients_leaving_left_behind(server, tmp_path, capsys):
+    import argparse
+    import json
+
+    from specdecode.commands import load
+    parser = argparse.ArgumentParser()
+    load.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "load.json"
+    args = parser.parse_args(["load", "--url", server + "/v1", "--api-key", KEY, "--concurrency", "2", "--requests", "4",
+                              "--max-tokens", "24", "--disconnect", "0.5", "--speculative", "auto", "--warmup", "0",
+                              "--json", str(out)])
+    assert load.run(args) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert (row["ok"], row["disconnected"], row["errors"]) == (2, 2, 0)
+    assert row["running_after"] == 0 and row["rss_mb_after"] > 100 and result["rss_mb_before"] > 100
+    assert capsys.readouterr().out.splitlines()[-1].startswith("server: 0 answers 5xx; sequences running after "
+                                                               "each level: 0; resident memory ")
+
+
 def test_a_full_queue_answers_429_and_sigterm_drains(smollm2_folder, tmp_path):
     process, url = start_server(tmp_path, "--max-batch", "1", "--max-queue", "1")
 

@@ -11,6 +11,11 @@ server decides), on -> the integer `--k`. Servers other than specdecode's (llama
 vLLM) know no such field: run them with `--speculative auto`. specdecode's server adds a
 `speculation` object (drafted, accepted, acceptance_rate, mean_accepted_length) to each
 response and final stream chunk; other servers' responses simply have none.
+
+Where the server publishes specdecode's metrics (`/metrics` beside `/v1`), the report also
+gives the sequences still running once each level is over (a client that went away must
+leave none behind) and the server's resident memory before the first level and after
+each: a long run at high concurrency with `--disconnect` is then a soak test.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ from specdecode.questions import load_prompt_file
 from specdecode.suites import load_suite
 
 MODES = ("auto", "off", "on")
+RUNNING = "specdecode:num_requests_running"
+RESIDENT = "process_resident_memory_bytes"
+SETTLE_S = 10.0  # how long a level's last sequences get to leave the batch before it counts them
 DISCONNECT_AFTER = 3  # content chunks a disconnecting client reads before it closes the stream
 HEADER = ("mode", "concurrency", "tok/s", "req/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
           "α", "errors", "disconnected")
@@ -147,14 +155,31 @@ def speedups(rows: list[dict]) -> dict[str, list[float | None]]:
     return out
 
 
-def format_report(rows: list[dict]) -> str:
+def format_report(rows: list[dict], rss_mb_before: float | None = None) -> str:
     cells = [HEADER] + [tuple("" if r[k] is None else str(r[k]) for k in KEYS) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(HEADER))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in cells]
     for mode, ratios in speedups(rows).items():
         lines.append(f"{mode} / off: " + " ".join("-" if x is None else f"{x:.2f}x" for x in ratios))
+    server = server_summary(rows, rss_mb_before)
+    if server:
+        lines.append(server)
     return "\n".join(lines)
+
+
+def server_summary(rows: list[dict], rss_mb_before: float | None) -> str | None:
+    """One line on the server's state after the levels: stuck sequences, 5xx answers, memory."""
+    if not any("running_after" in r for r in rows):
+        return None
+    stuck = [r["running_after"] for r in rows]
+    server_errors = sum(n for r in rows for kind, n in r.get("error_kinds", {}).items() if kind.startswith("5"))
+    line = (f"server: {server_errors} answers 5xx; sequences running after each level: "
+            + ", ".join(str(n) for n in stuck))
+    last = rows[-1].get("rss_mb_after")
+    if rss_mb_before and last:
+        line += f"; resident memory {rss_mb_before:.0f} MB before, {last:.0f} MB after ({last / rss_mb_before - 1:+.1%})"
+    return line
 
 
 def load_prompts(spec: str) -> list[str]:
@@ -262,6 +287,36 @@ async def run_level(client, args, model, prompts, mode, concurrency, first: int 
     return results, wall
 
 
+async def server_state(url: str, api_key: str) -> dict | None:
+    """Sequences running and resident MB, from the server's /metrics (next to /v1); None where
+    the server publishes no specdecode metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    root = url.rstrip("/").removesuffix("/v1")
+    try:
+        async with httpx.AsyncClient(timeout=10.0, headers={"Authorization": f"Bearer {api_key}"}) as http:
+            response = await http.get(root + "/metrics")
+        values = {sample.name: sample.value for family in text_string_to_metric_families(response.text)
+                  for sample in family.samples}
+    except (httpx.HTTPError, ValueError):
+        return None
+    if response.status_code != 200 or RUNNING not in values:
+        return None
+    rss = values.get(RESIDENT)
+    return {"running": int(values[RUNNING]), "rss_mb": None if rss is None else round(rss / 2 ** 20, 1)}
+
+
+async def settled_state(url: str, api_key: str) -> dict | None:
+    """server_state once no sequence runs, or after SETTLE_S seconds (then it counts them)."""
+    import asyncio
+    deadline = time.perf_counter() + SETTLE_S
+    while True:
+        state = await server_state(url, api_key)
+        if state is None or state["running"] == 0 or time.perf_counter() > deadline:
+            return state
+        await asyncio.sleep(0.2)
+
+
 async def _resolve_model(client, args) -> str:
     import openai
     try:  # also the reachability check: fail in one line rather than with every request
@@ -289,12 +344,16 @@ async def run_all(args, prompts: list[str]) -> tuple[str, list[dict]]:
             for i in range(args.warmup):
                 await one_request(client, args, model, prompts[i % len(prompts)], mode, False)
         rows, done = [], 0
+        before = await settled_state(args.url, api_key)
         for concurrency in args.concurrency:
             for mode in args.speculative:  # modes side by side at each level, so drift hits both alike
                 results, wall = await run_level(client, args, model, prompts, mode, concurrency, done)
                 rows.append(summarize(mode, concurrency, results, wall))
+                after = await settled_state(args.url, api_key)
+                if after is not None:
+                    rows[-1].update(running_after=after["running"], rss_mb_after=after["rss_mb"])
             done += args.requests
-    return model, rows
+    return model, rows, (before or {}).get("rss_mb")
 
 
 def plot(rows: list[dict], path) -> None:
@@ -332,13 +391,14 @@ def run(args) -> int:
     if not prompts:
         raise SpecDecodeError(f"--prompts {args.prompts} gives no prompts")
     import asyncio  # here, so that `specdecode --help` does not pay for it
-    model, rows = asyncio.run(run_all(args, prompts))
-    print(format_report(rows))
+    model, rows, rss_mb_before = asyncio.run(run_all(args, prompts))
+    print(format_report(rows, rss_mb_before))
     if args.json_path:
         settings = {k: getattr(args, k) for k in ("url", "concurrency", "requests", "max_tokens", "prompts", "chat",
                                                   "stream", "disconnect", "speculative", "k", "temperature", "warmup")}
         Path(args.json_path).write_text(json.dumps({"model": model, "settings": settings, "rows": rows,
-                                                    "speedups": speedups(rows)}, indent=1) + "\n")
+                                                    "speedups": speedups(rows), "rss_mb_before": rss_mb_before},
+                                                   indent=1) + "\n")
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -10,7 +10,8 @@ inter-token latency, tokens in and out.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               disable_created_metrics, generate_latest)
 
 disable_created_metrics()  # no `_created` series beside every counter: dashboards do not read them
 
@@ -21,6 +22,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and the like (Linux)
         labels, values = ["model_name"], [model_name]
 
         def make(kind, name, doc, extra=(), **kw):
