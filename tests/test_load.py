@@ -172,8 +172,9 @@ def test_pure_helpers():
 def test_server_summary_counts_stuck_sequences_5xx_and_memory():
     rows = [{"running_after": 0, "rss_mb_after": 600.0, "error_kinds": {"503": 2, "timeout": 1}},
             {"running_after": 1, "rss_mb_after": 630.0, "error_kinds": {"500": 1}}]
-    assert load.server_summary(rows, 600.0) == ("server: 3 answers 5xx; sequences running after each level: 0, 1; "
-                                                "resident memory 600 MB before, 630 MB after (+5.0%)")
+    assert load.server_summary(rows, 500.0) == ("server: 3 answers 5xx; sequences running after each level: 0, 1; "
+                                                "resident memory 500 MB before, after each level 600, 630 MB "
+                                                "(last +5.0% over the first)")
     assert load.server_summary([{"tok_s": 1.0}], None) is None  # a server without specdecode's metrics
 
 

@@ -15,7 +15,8 @@ response and final stream chunk; other servers' responses simply have none.
 Where the server publishes specdecode's metrics (`/metrics` beside `/v1`), the report also
 gives the sequences still running once each level is over (a client that went away must
 leave none behind) and the server's resident memory before the first level and after
-each: a long run at high concurrency with `--disconnect` is then a soak test.
+each: `--concurrency 16,16 --requests 500 --disconnect 0.1` is then a soak test, the first
+level bringing the server to its full batch and the second showing whether it keeps growing.
 """
 
 from __future__ import annotations
@@ -176,9 +177,12 @@ def server_summary(rows: list[dict], rss_mb_before: float | None) -> str | None:
     server_errors = sum(n for r in rows for kind, n in r.get("error_kinds", {}).items() if kind.startswith("5"))
     line = (f"server: {server_errors} answers 5xx; sequences running after each level: "
             + ", ".join(str(n) for n in stuck))
-    last = rows[-1].get("rss_mb_after")
-    if rss_mb_before and last:
-        line += f"; resident memory {rss_mb_before:.0f} MB before, {last:.0f} MB after ({last / rss_mb_before - 1:+.1%})"
+    after = [r.get("rss_mb_after") for r in rows]
+    if rss_mb_before and all(after):
+        line += (f"; resident memory {rss_mb_before:.0f} MB before, after each level "
+                 + ", ".join(f"{mb:.0f}" for mb in after) + " MB")
+        if len(after) > 1:  # the first level warms the server up to its batch: compare the last with it
+            line += f" (last {after[-1] / after[0] - 1:+.1%} over the first)"
     return line
 
 
