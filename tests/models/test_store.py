@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from specdecode.errors import ChecksumError, ModelError, UnknownModelError
-from specdecode.models import store
+from specdecode.models import inventory, store
 from specdecode.models.convert import WEIGHT_FILES, save_weights
 from specdecode.models.registry import REGISTRY, ModelSpec, WheelPart, get_spec
 from specdecode.models.wheels import assemble
@@ -253,7 +253,7 @@ def test_resolve_missing_gguf(tmp_path, fake_home):
 
 
 def test_list_models_shape(fake_home):
-    rows = store.list_models()
+    rows = inventory.list_models()
     assert [row["name"] for row in rows] == list(REGISTRY)
     for row in rows:
         assert set(row) == {"name", "description", "bytes", "cached", "path", "disk"}
@@ -292,5 +292,5 @@ def test_pull_smollm2_for_real(monkeypatch):
         logits = model(ids).logits
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
     assert torch.isfinite(logits).all()
-    assert any(row["name"] == spec.name and row["cached"] for row in store.list_models())
+    assert any(row["name"] == spec.name and row["cached"] for row in inventory.list_models())
     assert os.fspath(store.resolve(spec.name, progress=False)) == os.fspath(folder)
