@@ -61,7 +61,7 @@ def build_service(args, drafter_name: str):
 
 
 def run(args, drafter_name: str) -> int:
-    """Serve until SIGTERM or ^C; the flags were checked (cli.check_serve)."""
+    """Serve until SIGTERM or ^C; the flags were checked (cli_serve.check_serve)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     service = build_service(args, drafter_name)
     speculation = ("off" if service.new_drafter is None else f"{drafter_name} trees, one sequence at a time"
