@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from specdecode.commands import check as check_module
-from specdecode.commands.check import CheckSettings, SharedPrefill, format_check, run_check
+from specdecode.commands.check import CheckSettings, SharedPrefill, run_check
+from specdecode.commands.check_report import format_check
 from specdecode.commands.cli import build_parser, main
 from specdecode.core.conformance import (bonferroni, chi2_sf, chi2_statistic, count_table, homogeneity, pool_rare,
                                          total_variation)

@@ -382,7 +382,8 @@ def run_check_cmd(args) -> int:
     if not 0.0 < args.alpha < 1.0:
         raise SpecDecodeError(f"--alpha must be in (0, 1), got {args.alpha!r}")
     questions = load_prompt_file(args.prompts) if args.prompts else None
-    from specdecode.commands.check import CheckSettings, format_check, run_check
+    from specdecode.commands.check import CheckSettings, run_check
+    from specdecode.commands.check_report import format_check
 
     settings = CheckSettings(args.target, args.draft, args.drafter, args.k, args.heads, args.profile, args.dtype,
                              args.temperature, args.top_k, args.top_p, args.greedy_tokens, args.samples,
