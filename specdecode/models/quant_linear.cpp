@@ -34,13 +34,15 @@ namespace {
 constexpr int64_t QK_K = 256;  // values per K-quant block
 constexpr int64_t QK8_0 = 32;  // values per Q8_0 block
 constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied brought into L1
-// Repacked blocks (1-2 KB) are prefetched whole: for one row (a decoding step) just before
-// they are multiplied, so every line's miss is in flight at once instead of as the
-// unpacking reaches it; for more rows, whose products take longer, two blocks ahead.
-// Streaming 137 MB of Q6_K x8 on AMD EPYC Zen 4 (2 threads, three runs each), one row:
-// 33-51 GB/s so, 17-20 GB/s one or two blocks ahead, 12-16 GB/s without (Q4_K x8: 30-46
-// against 30-39); eight rows: 6-10 GB/s so, 10-12 two blocks ahead.
-constexpr int64_t PREFETCH_X8_ONE_ROW = 0, PREFETCH_X8_ROWS = 2;
+// Repacked blocks (1-2 KB) are prefetched whole. For up to four rows (a decoding step, a
+// short verify pass) just before they are multiplied, so every line's miss is in flight at
+// once instead of as the unpacking reaches it; for more rows, whose products take longer,
+// six blocks ahead. Streaming 137 MB of Q6_K x8 on AMD EPYC Zen 4 (2 threads, three runs
+// each), one row: 33-51 GB/s so, 17-20 GB/s one or two blocks ahead, 12-16 GB/s without.
+// All of Qwen2.5-1.5B's Q4_K_M matrices (1 GB), same machine, in one run: 2 rows 32 ms so
+// against 42 two blocks ahead and 47 six ahead (one row: 23-24); 4 rows 45, 55, 60;
+// 6 rows 68-70 any; 8 rows 85, 89, 80; 16 rows 147, 146, 138.
+constexpr int64_t PREFETCH_X8_FEW_ROWS = 0, PREFETCH_X8_ROWS = 6, FEW_ROWS = 4;
 constexpr int64_t TILE_ROWS = 64, TILE_BLOCKS = 16;  // a long pass's tile of inputs: 64 rows x 16 blocks
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20,
                   Q5_0_BYTES = 22;
@@ -665,7 +667,7 @@ void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t
 template <typename Block>
 void x8_rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
   x8_groups<Block>(w, blocks, g0, g1, 0, blocks, x.data(), x.count, RowInputs{x.data()}, out, ldo,
-                   x.count == 1 ? PREFETCH_X8_ONE_ROW : PREFETCH_X8_ROWS);
+                   x.count <= FEW_ROWS ? PREFETCH_X8_FEW_ROWS : PREFETCH_X8_ROWS);
 }
 
 // out[m * ldo + n] = row n of `w` (rows [n0, n1)) times activation row m, blocks summed in
