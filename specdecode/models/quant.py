@@ -91,7 +91,9 @@ def stack(parts: list[QuantTensor]) -> list[QuantTensor]:
 
 X8_ROWS = 8  # rows a repacked block interleaves
 X8_BYTES = {GGMLQuantizationType.Q4_K: 1216,  # d and dmin (fp32), scales and mins (a byte each), 1024 of nibbles
-            GGMLQuantizationType.Q6_K: 1696}  # d (fp32), scales (a byte each), 1024 of nibbles, 512 of top bits
+            GGMLQuantizationType.Q6_K: 1696,  # d (fp32), scales (a byte each), 1024 of nibbles, 512 of top bits
+            GGMLQuantizationType.Q8_0: 272,  # d (fp16), 256 values (a byte each)
+            GGMLQuantizationType.Q5_0: 176}  # d (fp16), 128 of nibbles, 32 of fifth bits
 
 
 def _rows_last(a: np.ndarray, groups: int) -> np.ndarray:
@@ -100,12 +102,12 @@ def _rows_last(a: np.ndarray, groups: int) -> np.ndarray:
 
 
 def _interleave_nibbles(values: np.ndarray) -> np.ndarray:
-    """Values (rows, blocks, 8 groups, 32) below 16 -> (rows / 8, blocks, 1024): per group g
+    """Values (rows, blocks, G groups, 32) below 16 -> (rows / 8, blocks, 128 G): per group g
     and j < 4, byte 4r + i holds row r's value 8j + i (low nibble) and 8j + 4 + i (high)."""
-    rows, blocks = values.shape[:2]
-    v = values.reshape(rows // X8_ROWS, X8_ROWS, blocks, 8, 4, 2, 4)  # value 8j + 4h + i of group g
+    rows, blocks, groups_of_32 = values.shape[:3]
+    v = values.reshape(rows // X8_ROWS, X8_ROWS, blocks, groups_of_32, 4, 2, 4)  # value 8j + 4h + i of group g
     packed = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 2, 3, 4, 1, 5)  # (groups, blocks, g, j, r, i)
-    return packed.reshape(rows // X8_ROWS, blocks, 1024)
+    return packed.reshape(rows // X8_ROWS, blocks, 128 * groups_of_32)
 
 
 def repack_q4_k_x8(data: torch.Tensor) -> torch.Tensor:
@@ -161,12 +163,55 @@ def repack_q6_k_x8(data: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(parts, axis=-1))
 
 
-REPACK = {GGMLQuantizationType.Q4_K: repack_q4_k_x8, GGMLQuantizationType.Q6_K: repack_q6_k_x8}
+def _fp16_scales(raw: np.ndarray, groups: int) -> np.ndarray:
+    """The fp16 d at the start of each 32-value block (rows, blocks, ...) -> (rows / 8, blocks, 16)."""
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    return np.ascontiguousarray(_rows_last(d, groups)).view(np.uint8)
+
+
+def _values_by_fours(values: np.ndarray, groups: int) -> np.ndarray:
+    """Bytes (rows, blocks, 32) -> (rows / 8, blocks, 256): for t < 8, 32 bytes whose byte
+    4r + i is row r's value 4t + i."""
+    blocks = values.shape[1]
+    v = values.reshape(groups, X8_ROWS, blocks, 8, 4).transpose(0, 2, 3, 1, 4)  # (groups, blocks, t, r, i)
+    return v.reshape(groups, blocks, 256)
+
+
+def repack_q8_0_x8(data: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks (rows, blocks, 34) -> eight rows interleaved per block (rows / 8, blocks,
+    272), as quant_linear.cpp's Q80X8 reads them: the rows' d (fp16), then the values by
+    fours (_values_by_fours), each plus 128 (an unsigned byte). The file's values and scales."""
+    raw = data.numpy()
+    groups = raw.shape[0] // X8_ROWS
+    unsigned = raw[..., 2:34] ^ np.uint8(0x80)
+    return torch.from_numpy(np.concatenate([_fp16_scales(raw, groups), _values_by_fours(unsigned, groups)], axis=-1))
+
+
+def repack_q5_0_x8(data: torch.Tensor) -> torch.Tensor:
+    """Q5_0 blocks (rows, blocks, 22) -> eight rows interleaved per block (rows / 8, blocks,
+    176), as quant_linear.cpp's Q50X8 reads them: the rows' d (fp16), the low four bits of
+    the values (_interleave_nibbles, one group), then 32 bytes whose byte 4r + i holds the
+    fifth bit of row r's value 4k + i at bit k. The file's values and scales, unchanged."""
+    raw = data.numpy()
+    rows, blocks, _ = raw.shape
+    groups = rows // X8_ROWS
+    fifth = np.unpackbits(raw[..., 2:6], axis=-1, bitorder="little")  # (rows, blocks, 32): bit j of the uint32
+    qs = raw[..., 6:22]
+    low = np.concatenate([qs & 0xF, qs >> 4], axis=-1)  # values 0-15 then 16-31
+    by_k = fifth.reshape(groups, X8_ROWS, blocks, 8, 4).astype(np.uint8)  # value 4k + i
+    top = (by_k << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=3, dtype=np.uint8)  # (groups, r, blocks, i)
+    parts = [_fp16_scales(raw, groups), _interleave_nibbles(low[:, :, None, :]),
+             top.transpose(0, 2, 1, 3).reshape(groups, blocks, 32)]
+    return torch.from_numpy(np.concatenate(parts, axis=-1))
+
+
+REPACK = {GGMLQuantizationType.Q4_K: repack_q4_k_x8, GGMLQuantizationType.Q6_K: repack_q6_k_x8,
+          GGMLQuantizationType.Q8_0: repack_q8_0_x8, GGMLQuantizationType.Q5_0: repack_q5_0_x8}
 
 
 def kernel_layout(part: QuantTensor) -> torch.Tensor:
-    """The bytes the kernel reads for a part: Q4_K and Q6_K repacked eight rows at a time
-    where the rows allow (their products are then faster), other types as stored."""
+    """The bytes the kernel reads for a part: Q4_K, Q6_K, Q8_0 and Q5_0 repacked eight rows
+    at a time where the rows allow (their products are then faster), other types as stored."""
     if part.qtype in REPACK and part.shape[0] % X8_ROWS == 0:
         return REPACK[part.qtype](part.data)
     return part.data

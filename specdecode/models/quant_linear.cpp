@@ -3,7 +3,8 @@
 // W is one or more parts stacked along the outputs (a fused q|k|v may mix Q4_K and Q6_K
 // rows), each a uint8 tensor (rows, blocks per row, bytes per block) in GGUF's own row
 // layout; the bytes per block name the type (quant.py): 144 Q4_K, 210 Q6_K, 34 Q8_0,
-// 18 Q4_0, 20 Q4_1, 22 Q5_0, and 1216 and 1696 for Q4_K and Q6_K repacked eight rows at a time (below).
+// 18 Q4_0, 20 Q4_1, 22 Q5_0, and 1216, 1696, 272 and 176 for Q4_K, Q6_K, Q8_0 and Q5_0
+// repacked eight rows at a time (below).
 //
 // Each row of x is quantized on its own, as llama.cpp does: to 8 bits per 256 values with
 // one fp32 scale and the sums of each 16 (Q8_K) for the K-quants, per 32 for the others. A weight
@@ -43,11 +44,13 @@ constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied b
 // against 42 two blocks ahead and 47 six ahead (one row: 23-24); 4 rows 45, 55, 60;
 // 6 rows 68-70 any; 8 rows 85, 89, 80; 16 rows 147, 146, 138.
 constexpr int64_t PREFETCH_X8_FEW_ROWS = 0, PREFETCH_X8_ROWS = 6, FEW_ROWS = 4;
-constexpr int64_t TILE_ROWS = 64, TILE_BLOCKS = 16;  // a long pass's tile of inputs: 64 rows x 16 blocks
+constexpr int64_t TILE_ROWS = 64, TILE_VALUES = 4096;  // a long pass's tile of inputs: 64 rows x 4096 values
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20,
                   Q5_0_BYTES = 22;
 constexpr int64_t Q4_K_X8_BYTES = 1216;  // eight rows' Q4_K blocks, repacked (Q4KX8)
 constexpr int64_t Q6_K_X8_BYTES = 1696;  // eight rows' Q6_K blocks, repacked (Q6KX8)
+constexpr int64_t Q8_0_X8_BYTES = 272;   // eight rows' Q8_0 blocks, repacked (Q80X8)
+constexpr int64_t Q5_0_X8_BYTES = 176;   // eight rows' Q5_0 blocks, repacked (Q50X8)
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -357,7 +360,7 @@ inline void prefetch_block(const uint8_t* p, int64_t bytes) {
 // group's eight products are added as int16 (at most 8 x 2 x 15 x 127 = 30480) before its
 // scale applies.
 struct Q4KX8 : Lanes8 {
-  static constexpr int64_t BYTES = Q4_K_X8_BYTES;
+  static constexpr int64_t BYTES = Q4_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;
   void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
   const uint8_t* blk;
   __m256 d, dmin;
@@ -414,7 +417,7 @@ struct Q4KX8 : Lanes8 {
 // so two products add as int16 (at most 2 x 2 x 63 x 127 = 32004) before a scale applies;
 // the -32 of every value is carried by the scales times the inputs' sums of 16.
 struct Q6KX8 : Lanes8 {
-  static constexpr int64_t BYTES = Q6_K_X8_BYTES;
+  static constexpr int64_t BYTES = Q6_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;
   void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
   const uint8_t* blk;
   __m256 d;
@@ -474,6 +477,127 @@ struct Q6KX8 : Lanes8 {
   }
 };
 
+// The 32-value types repacked eight rows at a time (repack_q8_0_x8, repack_q5_0_x8): a
+// block is one group of 32 values of eight rows, with their own fp32 scale each, so every
+// block is finished on its own (GROUPS = 1). Rows are quantized per 32 to match.
+inline __m256 eight_halves(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Q8_0 x8: the eight rows' d (fp16), then for t < 8, 32 bytes whose byte 4r + i is row r's
+// value 4t + i plus 128 (so unsigned, as VPDPBUSD takes its first factor). With VNNI the
+// products are of those bytes and 128 x the inputs' sum is taken off; AVX2's PMADDUBSW
+// would saturate on them, so it multiplies |w| by the inputs carrying w's sign (a pair
+// of products is at most 2 x 127 x 127, int16). Both are the exact sum of w x.
+struct Q80X8 : Lanes8 {
+  static constexpr int64_t BYTES = Q8_0_X8_BYTES, VALUES = QK8_0, GROUPS = 1;
+  void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
+  const uint8_t* blk;
+  __m256 d;
+  __m256i v[8];
+#ifndef VNNI
+  __m256i magnitude[8];
+#endif
+
+  void load(const uint8_t* b) {
+    blk = b;
+    d = eight_halves(b);
+  }
+
+  void unpack(int) {
+    for (int t = 0; t < 8; ++t) {
+      v[t] = load32(blk + 16 + 32 * t);
+#ifndef VNNI
+      v[t] = _mm256_xor_si256(v[t], _mm256_set1_epi8(static_cast<char>(0x80)));  // w, signed
+      magnitude[t] = _mm256_abs_epi8(v[t]);
+#endif
+    }
+  }
+
+  __m256i dot(const int8_t* q) const {
+#ifdef VNNI
+    __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) a = _mm256_dpbusd_epi32(a, v[t], broadcast4(q + 4 * t));
+    for (int t = 4; t < 8; ++t) c = _mm256_dpbusd_epi32(c, v[t], broadcast4(q + 4 * t));
+    return _mm256_add_epi32(a, c);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i sum = _mm256_setzero_si256();
+    for (int t = 0; t < 8; ++t)
+      sum = _mm256_add_epi32(
+          sum, _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[t], _mm256_sign_epi8(broadcast4(q + 4 * t), v[t])), ones));
+    return sum;
+#endif
+  }
+
+  void finish(const Q8Row& x, int64_t b, __m256i sum, __m256& acc) const {
+#ifdef VNNI
+    sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * x.sums32[b]));
+#endif
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), _mm256_cvtepi32_ps(sum), acc);
+  }
+};
+
+// Q5_0 x8: the eight rows' d (fp16), their values' low four bits laid out as one group of
+// Q4KX8's nibbles (128 bytes), then 32 bytes whose byte 4r + i holds the fifth bit of row
+// r's value 4k + i at bit k. A value is d * (q - 16), q in 0-31: the -16 is taken off with
+// the inputs' sum, and four products add as int16 (at most 4 x 2 x 31 x 127 = 31496).
+struct Q50X8 : Lanes8 {
+  static constexpr int64_t BYTES = Q5_0_X8_BYTES, VALUES = QK8_0, GROUPS = 1;
+  void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
+  const uint8_t* blk;
+  __m256 d;
+  __m256i v[8];
+
+  void load(const uint8_t* b) {
+    blk = b;
+    d = eight_halves(b);
+  }
+
+  void unpack(int) {
+    const __m256i low = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
+    const __m256i high = load32(blk + 144);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load32(blk + 16 + 32 * j);
+      v[2 * j] = _mm256_and_si256(raw, low);
+      v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+    // bit t of each byte to bit 4 of the same byte: 16-bit shifts by at most 4 left or 3
+    // right bring no other byte's bit there
+    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(high, 4), fifth));
+    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(high, 3), fifth));
+    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(high, 2), fifth));
+    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(high, 1), fifth));
+    v[4] = _mm256_or_si256(v[4], _mm256_and_si256(high, fifth));
+    v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_srli_epi16(high, 1), fifth));
+    v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(high, 2), fifth));
+    v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(high, 3), fifth));
+  }
+
+  __m256i dot(const int8_t* q) const {
+#ifdef VNNI
+    __m256i a = _mm256_setzero_si256(), c = _mm256_setzero_si256();
+    for (int t = 0; t < 4; ++t) a = _mm256_dpbusd_epi32(a, v[t], broadcast4(q + 4 * t));
+    for (int t = 4; t < 8; ++t) c = _mm256_dpbusd_epi32(c, v[t], broadcast4(q + 4 * t));
+    return _mm256_add_epi32(a, c);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s16[2];
+    for (int h = 0; h < 2; ++h) {
+      s16[h] = _mm256_maddubs_epi16(v[4 * h], broadcast4(q + 16 * h));
+      for (int t = 1; t < 4; ++t)
+        s16[h] = _mm256_add_epi16(s16[h], _mm256_maddubs_epi16(v[4 * h + t], broadcast4(q + 16 * h + 4 * t)));
+    }
+    return _mm256_add_epi32(_mm256_madd_epi16(s16[0], ones), _mm256_madd_epi16(s16[1], ones));
+#endif
+  }
+
+  void finish(const Q8Row& x, int64_t b, __m256i sum, __m256& acc) const {
+    sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(16 * x.sums32[b]));
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), _mm256_cvtepi32_ps(sum), acc);
+  }
+};
+
 #if defined(VNNI) && defined(__AVX512BW__)
 #define GROUP_PAIRS 1
 // Two adjacent groups of eight rows of weights side by side in 512-bit vectors: each
@@ -523,7 +647,7 @@ inline __m512i broadcast_pair_512(const int16_t* p) {
 }
 
 struct Q4KPair : Lanes16 {
-  static constexpr int64_t BYTES = Q4_K_X8_BYTES;  // a block of one group
+  static constexpr int64_t BYTES = Q4_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;  // a block of one group
   int64_t stride = 0;  // bytes from a block of the first group to the second's
   const uint8_t* blk;
   __m512 d, dmin;
@@ -577,12 +701,15 @@ struct Q4KPair : Lanes16 {
 // packed copy (pack_rows).
 struct RowInputs {
   const Q8Row* x;
-  const int8_t* at(int64_t m, int64_t b, int g) const { return x[m].q.data() + b * QK_K + 32 * g; }
+  int64_t values;  // per block
+  const int8_t* at(int64_t m, int64_t b, int g) const { return x[m].q.data() + b * values + 32 * g; }
 };
 struct PackedInputs {
   const int8_t* packed;  // at row 0 of the chunk: [block - b0][group of 32][row of the tile][32]
-  int64_t tile_rows, b0;
-  const int8_t* at(int64_t m, int64_t b, int g) const { return packed + (((b - b0) * 8 + g) * tile_rows + m) * 32; }
+  int64_t tile_rows, b0, groups;  // groups of 32 per block
+  const int8_t* at(int64_t m, int64_t b, int g) const {
+    return packed + (((b - b0) * groups + g) * tile_rows + m) * 32;
+  }
 };
 
 // Rows [0, R) of x times one group of eight rows of weights (`base`: its blocks) over
@@ -604,7 +731,7 @@ void x8_group_rows(const Block& kind, const uint8_t* base, int64_t b0, int64_t b
     block.prefetch(blk + prefetch_blocks * Block::BYTES);
     block.load(blk);
     for (int m = 0; m < R; ++m) sum[m] = Block::zero_int();
-    for (int g = 0; g < 8; ++g) {
+    for (int g = 0; g < Block::GROUPS; ++g) {
       block.unpack(g);
       for (int m = 0; m < R; ++m) sum[m] = Block::add(sum[m], block.dot(in.at(m, b, g)));
     }
@@ -666,7 +793,7 @@ void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t
 // activation row m, over all blocks.
 template <typename Block>
 void x8_rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
-  x8_groups<Block>(w, blocks, g0, g1, 0, blocks, x.data(), x.count, RowInputs{x.data()}, out, ldo,
+  x8_groups<Block>(w, blocks, g0, g1, 0, blocks, x.data(), x.count, RowInputs{x.data(), Block::VALUES}, out, ldo,
                    x.count <= FEW_ROWS ? PREFETCH_X8_FEW_ROWS : PREFETCH_X8_ROWS);
 }
 
@@ -706,11 +833,12 @@ void rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_t n1
 // The inputs of rows x[0, mt) over blocks [b0, b1) as a long pass reads them (PackedInputs):
 // [block][group of 32][row][32], so that a group's inner loop reads them front to back,
 // from the first level of cache.
-void pack_rows(const Q8Row* x, int64_t mt, int64_t b0, int64_t b1, int8_t* packed) {
+void pack_rows(const Q8Row* x, int64_t mt, int64_t values, int64_t b0, int64_t b1, int8_t* packed) {
+  const int64_t groups = values / 32;
   for (int64_t b = b0; b < b1; ++b)
-    for (int g = 0; g < 8; ++g)
+    for (int64_t g = 0; g < groups; ++g)
       for (int64_t m = 0; m < mt; ++m)
-        std::memcpy(packed + (((b - b0) * 8 + g) * mt + m) * 32, x[m].q.data() + b * QK_K + 32 * g, 32);
+        std::memcpy(packed + (((b - b0) * groups + g) * mt + m) * 32, x[m].q.data() + b * values + 32 * g, 32);
 }
 
 // A kernel for this many rows: one and two specialized as stored (a decoding step, a short
@@ -730,19 +858,20 @@ void rows_times_any(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_
 }
 
 // A repacked part (groups of eight rows) times every row of x, tiled for passes over many
-// rows: TILE_ROWS rows' inputs over TILE_BLOCKS blocks (256 KB) stay in cache while every
-// group of weights goes by, so the weights are read once per TILE_ROWS rows.
+// rows: TILE_ROWS rows' inputs over TILE_VALUES of their values (256 KB) stay in cache
+// while every group of weights goes by, so the weights are read once per TILE_ROWS rows.
 template <typename Block>
 void x8_tiled(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* out, int64_t ldo) {
-  const int64_t M = static_cast<int64_t>(x.size());
-  std::vector<int8_t> packed(std::min(M, TILE_ROWS) * TILE_BLOCKS * QK_K);
+  const int64_t M = static_cast<int64_t>(x.size()), tile_blocks = TILE_VALUES / Block::VALUES;
+  std::vector<int8_t> packed(std::min(M, TILE_ROWS) * TILE_VALUES);
   for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
     const int64_t mt = std::min(TILE_ROWS, M - m0);
-    for (int64_t b0 = 0; b0 < blocks; b0 += TILE_BLOCKS) {
-      const int64_t b1 = std::min(blocks, b0 + TILE_BLOCKS);
-      pack_rows(x.data() + m0, mt, b0, b1, packed.data());
+    for (int64_t b0 = 0; b0 < blocks; b0 += tile_blocks) {
+      const int64_t b1 = std::min(blocks, b0 + tile_blocks);
+      pack_rows(x.data() + m0, mt, Block::VALUES, b0, b1, packed.data());
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        x8_groups<Block>(w, blocks, g0, g1, b0, b1, x.data() + m0, mt, PackedInputs{packed.data(), mt, b0},
+        x8_groups<Block>(w, blocks, g0, g1, b0, b1, x.data() + m0, mt,
+                         PackedInputs{packed.data(), mt, b0, Block::GROUPS},
                          out + m0 * ldo, ldo, 1);
       });
     }
@@ -755,6 +884,8 @@ int64_t block_values(int64_t bytes) {
     case Q4_K_X8_BYTES:
     case Q6_K_X8_BYTES:
     case Q6_K_BYTES: return QK_K;
+    case Q8_0_X8_BYTES:
+    case Q5_0_X8_BYTES:
     case Q8_0_BYTES:
     case Q4_0_BYTES:
     case Q4_1_BYTES:
@@ -762,6 +893,20 @@ int64_t block_values(int64_t bytes) {
   }
   TORCH_CHECK(false, "quant_linear: unknown block of ", bytes,
               " bytes (Q4_K 144, Q6_K 210, Q8_0 34, Q4_0 18, Q4_1 20, Q5_0 22)");
+}
+
+bool repacked(int64_t bytes) {
+  return bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES || bytes == Q8_0_X8_BYTES || bytes == Q5_0_X8_BYTES;
+}
+
+// A repacked part (`groups` groups of eight rows) times every row of x into out (ldo
+// apart): tiled for a long pass, else groups split between the threads.
+template <typename Block>
+void x8_part(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* out, int64_t ldo) {
+  if (x.count >= TILE_ROWS / 2) return x8_tiled<Block>(w, blocks, groups, x, out, ldo);
+  at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    rows_times_any<Block, true>(w, blocks, x, g0, g1, out, ldo);
+  });
 }
 
 }  // namespace
@@ -782,7 +927,7 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     const int64_t values = block_values(p.size(2));
     TORCH_CHECK(p.size(1) * values == K, "quant_linear: a part's blocks cover ", p.size(1) * values, " inputs, not ", K);
     (values == QK_K ? k_quants : q8_0) = true;
-    rows += p.size(0) * (p.size(2) == Q4_K_X8_BYTES || p.size(2) == Q6_K_X8_BYTES ? 8 : 1);
+    rows += p.size(0) * (repacked(p.size(2)) ? 8 : 1);
   }
   TORCH_CHECK(rows == N, "quant_linear: the parts hold ", rows, " rows, not ", N);
   const std::vector<Q8Row> x8k = k_quants ? quantize_rows(xp, M, K, QK_K) : std::vector<Q8Row>{},
@@ -794,18 +939,12 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     const uint8_t* w = p.data_ptr<uint8_t>();
     const int64_t blocks = p.size(1), bytes = p.size(2), n_rows = p.size(0);
     float* out = yp + first;
-    const Rows k_rows{x8k.data(), k_quants ? M : 0};
-    if ((bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) && M >= TILE_ROWS / 2) {  // n_rows groups of eight
-      if (bytes == Q4_K_X8_BYTES) x8_tiled<Q4KX8>(w, blocks, n_rows, k_rows, out, N);
-      else x8_tiled<Q6KX8>(w, blocks, n_rows, k_rows, out, N);
-      first += 8 * n_rows;
-      continue;
-    }
-    if (bytes == Q4_K_X8_BYTES || bytes == Q6_K_X8_BYTES) {
-      at::parallel_for(0, n_rows, 2, [&](int64_t g0, int64_t g1) {
-        if (bytes == Q4_K_X8_BYTES) rows_times_any<Q4KX8, true>(w, blocks, k_rows, g0, g1, out, N);
-        else rows_times_any<Q6KX8, true>(w, blocks, k_rows, g0, g1, out, N);
-      });
+    const Rows k_rows{x8k.data(), k_quants ? M : 0}, rows32{x80.data(), q8_0 ? M : 0};
+    if (repacked(bytes)) {  // n_rows groups of eight
+      if (bytes == Q4_K_X8_BYTES) x8_part<Q4KX8>(w, blocks, n_rows, k_rows, out, N);
+      else if (bytes == Q6_K_X8_BYTES) x8_part<Q6KX8>(w, blocks, n_rows, k_rows, out, N);
+      else if (bytes == Q8_0_X8_BYTES) x8_part<Q80X8>(w, blocks, n_rows, rows32, out, N);
+      else x8_part<Q50X8>(w, blocks, n_rows, rows32, out, N);
       first += 8 * n_rows;
       continue;
     }

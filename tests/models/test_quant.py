@@ -47,7 +47,7 @@ def reference(x: torch.Tensor, w: QuantTensor) -> np.ndarray:
     return rows @ w.dequantize().double().numpy().T
 
 
-# 40 rows: Q4_K and Q6_K run repacked eight rows at a time; 42: as stored (kernel_layout)
+# 40 rows: Q4_K, Q6_K, Q8_0 and Q5_0 run repacked eight rows at a time; 42: as stored (kernel_layout)
 @pytest.mark.parametrize("rows", [40, 42])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_kernel_product_matches_the_dequantized_blocks(qtype, rows, kernel_module):
@@ -73,11 +73,11 @@ def test_each_row_is_bitwise_its_one_row_product(qtype, rows, kernel_module):
         assert torch.equal(kernel_module.quant_linear(x[:count], [data], None, rows), alone[:count])
 
 
-@pytest.mark.parametrize("rows", [24, 26])  # 24: Q4_K and Q6_K repacked; 26: every type as stored
+@pytest.mark.parametrize("rows", [24, 26])  # 24: the repacked types repacked; 26: every type as stored
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_long_passes_are_bitwise_one_row_products(qtype, rows, kernel_module):
-    """A prefill's many rows run tiled (64 rows, and for repacked blocks 16 blocks, at a
-    time): 130 rows make three tiles of rows, 17 blocks of 256 two of blocks, and each row
+    """A prefill's many rows run tiled (64 rows, and for repacked blocks 4096 values, at a
+    time): 130 rows make three tiles of rows, 17 x 256 values two of values, and each row
     is still its one-row product."""
     cols = 17 * 256
     data = kernel_layout(random_blocks(qtype, rows, cols, seed=7))
@@ -103,6 +103,21 @@ def test_every_build_this_cpu_runs_gives_the_same_products(qtype, kernel_module)
         products = {kind: kernels._build(kind).quant_linear(x[:count], [data], None, 64) for kind in kinds}
         for kind, y in products.items():
             assert torch.equal(y, products[kinds[0]]), (kind, kinds[0], count)
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+def test_repacked_32_value_blocks_take_widths_no_multiple_of_256(qtype, kernel_module):
+    """Qwen2.5-0.5B's width (896) is 3.5 blocks of 256: its GGUF stores Q5_0 and Q8_0, which
+    run repacked eight rows at a time, one block of 32 values after another."""
+    w = random_blocks(qtype, 24, 896, seed=11)
+    data = kernel_layout(w)
+    assert data.shape == (3, 28, X8_BYTES[qtype])
+    x = torch.randn(9, 896, generator=torch.Generator().manual_seed(12))
+    y = kernel_module.quant_linear(x, [data], None, 24).double().numpy()
+    want = reference(x, w)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+    alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [data], None, 24) for i in range(9)])
+    assert torch.equal(kernel_module.quant_linear(x, [data], None, 24), alone)
 
 
 def test_stacked_parts_of_mixed_types_equal_their_products_side_by_side(kernel_module):
