@@ -90,6 +90,28 @@ def test_adaptive_follows_a_change_of_acceptance():
     assert adaptive > 1.0
 
 
+# A quantized target on a 2-core AVX-512 CPU with its quantized 0.5B draft: a steep verify
+# curve, and a draft step about half a target step (`specdecode speed`, both models).
+STEEP = CostModel(0.46, (1.0, 1.19, 1.51, 1.78, 2.1, 2.4, 2.7, 2.9, 3.1))
+
+
+def test_a_short_generation_drafts_from_its_start_where_the_prior_alone_would_not():
+    """At the prior's α (0.6) drafting does not pay on these costs; a policy that waited for
+    its first periodic probe would spend 16 of a 20-round answer plain (1.11x at best)."""
+    assert best_k(0.6, STEEP, 8)[0] == 0
+    best = max(simulate(FixedK(k), lambda r: 1.0, STEEP, rounds=20) for k in range(1, 9))
+    assert simulate(AdaptiveK(STEEP), lambda r: 1.0, STEEP, rounds=20) >= 0.9 * best
+    assert simulate(AdaptiveK(STEEP), lambda r: 0.0, STEEP, rounds=20) >= 0.93  # one wasted probe
+
+
+def test_the_prior_is_forgotten_so_full_acceptance_lengthens_k():
+    policy = AdaptiveK(STEEP)
+    for _ in range(40):
+        k = policy.next_k()
+        policy.observe(k, k)
+    assert policy.alpha > 0.95 and policy.next_k() >= 3
+
+
 @pytest.mark.slow
 def test_adaptive_in_the_engine_keeps_output_and_mostly_stops_drafting(tiny_llama, tiny_llama_other):
     target = NativeModel.from_folder(tiny_llama, torch.float32)
