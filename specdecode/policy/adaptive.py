@@ -14,9 +14,11 @@ acceptance: a longer draft is accepted more in total but may cost more than it b
 maximum-likelihood estimate for a geometric run: accepted / (accepted + rejections)),
 with exponential forgetting so a change of topic is followed, and picks the best k each
 round. When drafting does not pay it switches off, and probes with k = 1 every
-`probe_every` rounds so that it notices when drafting starts to pay again; where the
-prior alone would keep it off (a costly verify curve), it probes at once, since a
-generation of a few dozen tokens would otherwise end before the first probe. Where even
+`probe_every` rounds so that it notices when drafting starts to pay again. It does not
+probe at once where the prior alone keeps it off: a draft model's first round must read
+the whole prompt, which on a short answer costs more than drafting could bring back.
+The prior is forgotten like the rounds, so a run of full acceptance lengthens k as far
+as the costs allow. Where even
 drafts that are always accepted would gain less than `PROBE_PAYS` (a draft model almost
 as slow as the target, as a quantized 0.5B draft for a quantized 1.5B target is on an AVX2
 CPU), it never drafts at all: a probe then costs more than it could ever bring back (the
@@ -113,7 +115,6 @@ class AdaptiveK:
     probe_every: int = 16
     accepted: float = field(default=0.0, init=False)
     positions: float = field(default=0.0, init=False)  # draft positions the target judged, and the prior's
-    rounds_observed: int = field(default=0, init=False)
     rounds_off: int = field(default=0, init=False)
     alpha_when_off: float = field(default=0.0, init=False)  # the estimate the last time it chose to stop
     history: list[int] = field(default_factory=list, init=False)  # k chosen each round
@@ -137,8 +138,8 @@ class AdaptiveK:
         if k == 0:
             self.alpha_when_off = self.alpha
             self.rounds_off += 1
-            if self.rounds_off % self.probe_every == 0 or self.rounds_observed == 0:
-                k = 1  # a cheap look: does drafting pay (again)? At once while nothing is observed.
+            if self.rounds_off % self.probe_every == 0:
+                k = 1  # a cheap look: does drafting pay again?
         else:
             self.rounds_off = 0
         self.history.append(k)
@@ -162,6 +163,5 @@ class AdaptiveK:
         if num_drafted == 0:
             return
         rejected = 1 if num_accepted < num_drafted else 0
-        self.rounds_observed += 1
         self.accepted = self.forget * self.accepted + num_accepted
         self.positions = self.forget * self.positions + num_accepted + rejected
