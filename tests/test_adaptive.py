@@ -90,23 +90,6 @@ def test_adaptive_follows_a_change_of_acceptance():
     assert adaptive > 1.0
 
 
-# A quantized target on a 2-core AVX-512 CPU with its quantized 0.5B draft: a steep verify
-# curve, and a draft step about half a target step (`specdecode speed`, both models).
-STEEP = CostModel(0.46, (1.0, 1.19, 1.51, 1.78, 2.1, 2.4, 2.7, 2.9, 3.1))
-
-
-def test_the_prior_is_forgotten_so_full_acceptance_lengthens_k():
-    """With the prior (α 0.6 over 4 positions) kept, rounds of k = 1 always accepted would
-    hold the estimate under 0.93 (forgetting keeps about 20 positions of evidence), and k
-    at 1; forgotten like the rounds, the estimate reaches full acceptance."""
-    policy = AdaptiveK(STEEP)
-    assert best_k(0.6, STEEP, 8)[0] == 0
-    for _ in range(60):
-        k = policy.next_k() or 1
-        policy.observe(k, k)
-    assert policy.alpha > 0.95 and policy.next_k() >= 3
-
-
 @pytest.mark.slow
 def test_adaptive_in_the_engine_keeps_output_and_mostly_stops_drafting(tiny_llama, tiny_llama_other):
     target = NativeModel.from_folder(tiny_llama, torch.float32)

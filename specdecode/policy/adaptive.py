@@ -14,11 +14,7 @@ acceptance: a longer draft is accepted more in total but may cost more than it b
 maximum-likelihood estimate for a geometric run: accepted / (accepted + rejections)),
 with exponential forgetting so a change of topic is followed, and picks the best k each
 round. When drafting does not pay it switches off, and probes with k = 1 every
-`probe_every` rounds so that it notices when drafting starts to pay again. It does not
-probe at once where the prior alone keeps it off: a draft model's first round must read
-the whole prompt, which on a short answer costs more than drafting could bring back.
-The prior is forgotten like the rounds, so a run of full acceptance lengthens k as far
-as the costs allow. Where even
+`probe_every` rounds so that it notices when drafting starts to pay again. Where even
 drafts that are always accepted would gain less than `PROBE_PAYS` (a draft model almost
 as slow as the target, as a quantized 0.5B draft for a quantized 1.5B target is on an AVX2
 CPU), it never drafts at all: a probe then costs more than it could ever bring back (the
@@ -110,17 +106,14 @@ class AdaptiveK:
     costs: CostModel
     k_max: int = 8
     prior_alpha: float = 0.6
-    prior_weight: float = 4.0  # the prior counts as this many observed positions, forgotten like them
-    forget: float = 0.95  # per round; about the last 20 rounds dominate
+    prior_weight: float = 4.0  # the prior counts as this many observed positions
+    forget: float = 0.9  # per round; about the last 10 rounds dominate
     probe_every: int = 16
     accepted: float = field(default=0.0, init=False)
-    positions: float = field(default=0.0, init=False)  # draft positions the target judged, and the prior's
+    positions: float = field(default=0.0, init=False)  # draft positions the target judged
     rounds_off: int = field(default=0, init=False)
     alpha_when_off: float = field(default=0.0, init=False)  # the estimate the last time it chose to stop
     history: list[int] = field(default_factory=list, init=False)  # k chosen each round
-
-    def __post_init__(self):
-        self.accepted, self.positions = self.prior_alpha * self.prior_weight, self.prior_weight
 
     def fresh(self) -> "AdaptiveK":
         """The same policy before any observation: one per generation."""
@@ -128,7 +121,7 @@ class AdaptiveK:
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.positions
+        return (self.accepted + self.prior_alpha * self.prior_weight) / (self.positions + self.prior_weight)
 
     def next_k(self) -> int:
         if not can_pay(self.costs, self.k_max):
