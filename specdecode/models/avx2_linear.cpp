@@ -20,6 +20,7 @@
 #include "avx2_math.h"
 #include "bindings.h"
 #include "kernels.h"
+#include "tile_prefetch.h"
 
 namespace {
 
@@ -40,13 +41,15 @@ constexpr int64_t K_TILE = 256;
 // next, so each output is still one FMA chain over k in order, whatever the tiling. The
 // chains run in local registers (through `sums` the compiler would keep them in memory).
 template <int R>
-inline void block_rows(const uint16_t* wb, const float* x, int64_t K, int64_t k0, int64_t k1, float* sums) {
+inline void block_rows(const uint16_t* wb, const float* x, int64_t K, int64_t k0, int64_t k1, float* sums,
+                       TilePrefetch next) {
   __m256 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_loadu_ps(sums + r * BLOCK + 8 * q);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t k = k0; k < k1; ++k) {
     _mm_prefetch(reinterpret_cast<const char*>(wb + k * BLOCK) + PREFETCH_AHEAD, _MM_HINT_T0);
+    next.step();
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * BLOCK));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + k * BLOCK + 16));
     const __m256 w[4] = {_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), _mm256_castsi256_ps(_mm256_and_si256(w0, high)),
@@ -76,17 +79,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
   const c10::BFloat16* b = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t tile = M > 2 ? K_TILE : K;  // one or two rows: one pass, nothing to keep in L1
+  const int64_t passes = (M + 1) / 2;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> sums(M * BLOCK);
     for (int64_t nb = b0; nb < b1; ++nb) {
       const uint16_t* wb = w + nb * K * BLOCK;
       std::fill(sums.begin(), sums.end(), 0.0f);
-      for (int64_t k0 = 0; k0 < K; k0 += tile)
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-          const int64_t k1 = std::min(K, k0 + tile);
-          if (M - m0 >= 2) block_rows<2>(wb, xf.data() + m0 * K, K, k0, k1, sums.data() + m0 * BLOCK);
-          else block_rows<1>(wb, xf.data() + m0 * K, K, k0, k1, sums.data() + m0 * BLOCK);
+      for (int64_t k0 = 0; k0 < K; k0 += tile) {
+        const int64_t k1 = std::min(K, k0 + tile);
+        for (int64_t m0 = 0, pass = 0; m0 < M; m0 += 2, ++pass) {
+          const TilePrefetch next = next_tile_share(wb + k1 * BLOCK, k1 - k0, 1, pass, passes);
+          if (M - m0 >= 2) block_rows<2>(wb, xf.data() + m0 * K, K, k0, k1, sums.data() + m0 * BLOCK, next);
+          else block_rows<1>(wb, xf.data() + m0 * K, K, k0, k1, sums.data() + m0 * BLOCK, next);
         }
+      }
       for (int64_t m = 0; m < M; ++m)
         for (int q = 0; q < 4; ++q) {
           const int64_t n = nb * BLOCK + 8 * q;

@@ -50,8 +50,10 @@ SOURCES = {
 }
 HEADERS = {  # part of the build's key, not compiled alone
     "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h"],
-    "avx512": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h"],
-    "avx2": [_HERE / "avx2_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h"],
+    "avx512": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h",
+               _HERE / "tile_prefetch.h"],
+    "avx2": [_HERE / "avx2_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h",
+             _HERE / "tile_prefetch.h"],
 }
 FLAGS = {
     "amx": ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
