@@ -55,6 +55,17 @@ def test_fitted_elsewhere_compares_only_what_the_artifact_records(monkeypatch):
     assert not machine.fitted_elsewhere({})
 
 
+def test_a_shape_fitted_before_the_kernels_changed_counts_as_fitted_elsewhere():
+    from specdecode.policy import machine
+
+    here = machine.fingerprint()
+    assert here["kernel_sources"] != "none" or here["kernel"] == "none"
+    assert not machine.fitted_elsewhere(here)
+    assert machine.fitted_elsewhere(here | {"kernel_sources": "an older build"})
+    if here["kernel"] != "none":  # one that records its kernel but not their version: fitted by older ones
+        assert machine.fitted_elsewhere({key: value for key, value in here.items() if key != "kernel_sources"})
+
+
 @pytest.mark.real
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_a_shipped_tree_fitted_on_another_machine_is_fitted_here_once(kind, tmp_path, monkeypatch, caplog):

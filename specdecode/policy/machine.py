@@ -6,7 +6,8 @@ target steps. Those ratios move with the CPU and its kernels: the SmolLM2 heads 
 with the package were fitted on an Intel CPU with AMX, where a verify pass of four tokens
 costs little more than one; on an AMD Zen 3 (AVX2) the same trees ran at 0.82-0.97x of
 plain decoding, and refitted there at 0.91-1.13x (docs/benchmarks.md). So a
-shape records the machine it was fitted on, and one fitted elsewhere is fitted again.
+shape records the machine it was fitted on, and one fitted elsewhere, or before the
+kernels changed, is fitted again.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.models.kernels import kernel_kind
+from specdecode.models.kernels import kernel_kind, source_tag
 
 
 @functools.cache
@@ -31,8 +32,11 @@ def cpu_model() -> str:
 
 
 def fingerprint() -> dict:
-    """What a cost measured here depends on: the CPU, the kernels running, the threads."""
-    return {"cpu": cpu_model(), "kernel": kernel_kind() or "none", "threads": torch.get_num_threads()}
+    """What a cost measured here depends on: the CPU, the kernels running (their build and
+    the version of their sources), the threads."""
+    kind = kernel_kind()
+    return {"cpu": cpu_model(), "kernel": kind or "none", "kernel_sources": source_tag(kind) if kind else "none",
+            "threads": torch.get_num_threads()}
 
 
 def fitted_elsewhere(fitted_on: dict | None) -> bool:
@@ -41,6 +45,8 @@ def fitted_elsewhere(fitted_on: dict | None) -> bool:
     if not fitted_on:
         return False
     here = fingerprint()
+    if "kernel" in fitted_on and "kernel_sources" in here and "kernel_sources" not in fitted_on:
+        return True  # fitted before the kernels' version was recorded: which kernels is unknown
     return any(key in here and here[key] != value for key, value in fitted_on.items())
 
 
