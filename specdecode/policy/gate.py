@@ -22,7 +22,7 @@ class TreeGate:
 
     round_cost: float
     prior_tokens: float
-    prior_weight: float = 2.0  # the prior counts as this many rounds
+    prior_weight: float = 1.0  # the prior counts as one round: five rounds accepting nothing close a cheap tree
     forget: float = 0.8  # per tree round; about the last 5 dominate
     probe_every: int = 16
     tokens: float = field(default=0.0, init=False)
