@@ -66,6 +66,16 @@ def test_a_shape_fitted_before_the_kernels_changed_counts_as_fitted_elsewhere():
         assert machine.fitted_elsewhere({key: value for key, value in here.items() if key != "kernel_sources"})
 
 
+def test_the_shipped_qwen_medusa_tree_records_the_kernels_it_ships_with():
+    """A kernel change must come with the shipped tree fitted again (`train medusa
+    --reshape-only`), or every machine like the one it was fitted on refits it on first use."""
+    from specdecode.models import kernels
+
+    record = json.loads((artifacts.SHIPPED / "qwen2.5-coder-1.5b-instruct" / "medusa" / medusa.CONFIG_FILE)
+                        .read_text())["training"]["fitted_on"]
+    assert record["kernel_sources"] == kernels.source_tag(record["kernel"])
+
+
 @pytest.mark.real
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_a_shipped_tree_fitted_on_another_machine_is_fitted_here_once(kind, tmp_path, monkeypatch, caplog):
