@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.policy import goodput
-from specdecode.policy.goodput import GoodputController, PassCosts, best_draft_lengths, start_cost
+from specdecode.policy.goodput import AnswerLengths, GoodputController, PassCosts, best_draft_lengths, start_cost
 
 # Passes that cost the same up to 8 rows, then grow with every row (a CPU where a pass is
 # bound by its weights up to 8 rows and by arithmetic past them), in seconds.
@@ -71,9 +71,31 @@ def test_a_sequence_whose_drafter_must_catch_up_drafts_only_where_that_pays():
 def test_the_controller_starts_a_draft_model_early_in_a_generation_not_at_its_end():
     controller = GoodputController(KNEE, k_max=8, catch_up_token_s=0.002)
     # 300 unread context tokens: 0.6 s, over 200 tokens left (~110 steps) it pays, over 3 it does not
-    assert controller.choose([0.8], catch_up=[(300, 200)])[0] > 0
-    assert controller.choose([0.8], catch_up=[(300, 3)]) == [0]
-    assert controller.choose([0.8], catch_up=[(1, 3)])[0] > 0  # in step with the context: no catch-up
+    assert controller.choose([0.8], catch_up=[(300, 56, 256)])[0] > 0
+    assert controller.choose([0.8], catch_up=[(300, 253, 256)]) == [0]
+    assert controller.choose([0.8], catch_up=[(1, 253, 256)])[0] > 0  # in step with the context: no catch-up
+
+
+def test_what_a_sequence_has_left_is_read_from_how_long_recent_answers_ran():
+    answers = AnswerLengths()
+    for n in (40, 100, 120):
+        answers.add(n)
+    assert answers.remaining(50, 256) == 206  # too few answers seen to judge: its max_tokens
+    answers.add(256)
+    assert answers.remaining(50, 256) == pytest.approx((50 + 70 + 206) / 3)  # those that ran past 50
+    assert answers.remaining(50, 110) == pytest.approx((50 + 60 + 60) / 3)  # each capped by its budget
+    assert answers.remaining(130, 256) == 126
+    assert answers.remaining(300, 301) == 1  # past every answer seen: about to end
+
+
+def test_a_sequence_past_most_answers_does_not_start_a_draft_model():
+    # alone drafting pays over 4x, but a 0.6 s catch-up does not repay itself in one step
+    controller = GoodputController(KNEE, k_max=8, catch_up_token_s=0.002)
+    assert controller.choose([0.8], catch_up=[(300, 100, 256)])[0] > 0  # nothing seen yet: 156 tokens to come
+    for _ in range(4):
+        controller.answers.add(100)
+    assert controller.choose([0.8], catch_up=[(300, 100, 256)]) == [0]
+    assert controller.choose([0.8], catch_up=[(300, 20, 256)])[0] > 0  # early on, 80 tokens to come
 
 
 def test_the_controller_switches_off_probes_and_comes_back():

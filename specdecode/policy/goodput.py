@@ -16,6 +16,9 @@ admitted, or one that has not drafted for a while) must first catch up on it, a 
 those tokens; that one-time cost, spread over the sequence's remaining steps (`start_cost`),
 is added to the time of any step in which the sequence drafts, so that a sequence near its
 end, or in a batch where drafting barely pays, does not start a draft model for nothing.
+How many steps a sequence has left is read from how long this server's recent answers ran
+(`AnswerLengths`), not from its max_tokens: most answers end well before it, and the
+sequences still running when a batch thins out are the ones past most answers.
 All k_i = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
 it switches off, probing k = 1 every `probe_every` steps so that a batch that turns
 repetitive gets it back, unless even drafts always accepted would not pay at this batch
@@ -28,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -67,7 +71,7 @@ class PassCosts:
         return self.seconds[hi] + slope * (rows - hi)  # past the last size: its last slope
 
 
-def start_cost(catch_up_tokens: int, catch_up_token_s: float, remaining_tokens: int, alpha: float) -> float:
+def start_cost(catch_up_tokens: int, catch_up_token_s: float, remaining_tokens: float, alpha: float) -> float:
     """Seconds per step that drafting for a sequence adds for its catch-up: the drafter's pass
     over the context tokens it has not read, spread over the steps the sequence has left
     (each emits about 1 + α tokens while it drafts)."""
@@ -75,6 +79,31 @@ def start_cost(catch_up_tokens: int, catch_up_token_s: float, remaining_tokens: 
         return 0.0
     steps_left = max(1.0, remaining_tokens / (1.0 + alpha))
     return catch_up_tokens * catch_up_token_s / steps_left
+
+
+ANSWERS_KEPT = 64  # recent answers whose lengths predict a running sequence's
+ANSWERS_TRUSTED = 4  # fewer than this seen: a sequence may run to its max_tokens
+
+
+@dataclass
+class AnswerLengths:
+    """The token counts of the last ANSWERS_KEPT answers that finished: what a running
+    sequence may expect still to emit."""
+
+    seen: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))
+
+    def add(self, tokens: int) -> None:
+        self.seen.append(tokens)
+
+    def remaining(self, generated: int, budget: int) -> float:
+        """Tokens still to come for a sequence that has emitted `generated` of at most
+        `budget`: how far past it the recent answers that ran longer went (each capped by the
+        budget). Past every answer seen, one: it is expected to end, not to repay a start."""
+        left = budget - generated
+        if len(self.seen) < ANSWERS_TRUSTED:
+            return float(left)
+        longer = [min(n, budget) - generated for n in self.seen if n > generated]
+        return min(float(left), sum(longer) / len(longer)) if longer else float(min(left, 1))
 
 
 def best_draft_lengths(alphas: Sequence[float], pass_costs: PassCosts, draft_token_s: float, k_max: int,
@@ -130,19 +159,21 @@ class GoodputController:
     draft_token_s: float = 0.0
     catch_up_token_s: float = 0.0  # the drafter's time per context token it catches up on (start_cost)
     probe_every: int = 16
+    answers: AnswerLengths = field(default_factory=AnswerLengths)  # the scheduler adds each finished answer
     steps_off: int = field(default=0, init=False)
     k: int = field(default=0, init=False)  # the longest draft of the last step, for the metrics
     gain: float = field(default=1.0, init=False)  # its expected rate over plain decoding
 
     def choose(self, alphas: Sequence[float], others: Sequence[int] = (),
-               catch_up: Sequence[tuple[int, int]] = ()) -> list[int]:
+               catch_up: Sequence[tuple[int, int, int]] = ()) -> list[int]:
         """The draft length of each sequence of acceptance alphas in a step, beside others
         (best_draft_lengths); catch_up[i] = (context tokens its drafter has not read, tokens
-        it may still emit), default (0, any)."""
+        it has emitted, the most it may emit), default: nothing to catch up on."""
         if not alphas or self.k_max < 1:
             self.k, self.gain = 0, 1.0
             return [0] * len(alphas)
-        start_s = [start_cost(unread, self.catch_up_token_s, left, a) for (unread, left), a in zip(catch_up, alphas)]
+        start_s = [start_cost(unread, self.catch_up_token_s, self.answers.remaining(emitted, budget), a)
+                   for (unread, emitted, budget), a in zip(catch_up, alphas)]
         lengths, self.gain = best_draft_lengths(alphas, self.pass_costs, self.draft_token_s, self.k_max, others,
                                                 start_s)
         if not any(lengths) and self._could_pay(len(alphas), others, start_s):

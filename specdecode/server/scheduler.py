@@ -210,7 +210,7 @@ class Scheduler:
         chosen = {}
         if auto and self.controller is not None:
             others = [1 + job.k(0) for job in self.running if job not in auto]
-            catch_up = [(job.seq.drafter.unread(job.seq.context), job.seq.stop.max_new_tokens - len(job.seq.new_tokens))
+            catch_up = [(job.seq.drafter.unread(job.seq.context), len(job.seq.new_tokens), job.seq.stop.max_new_tokens)
                         for job in auto]
             lengths = self.controller.choose([job.seq.policy.alpha for job in auto], others, catch_up)
             chosen = {id(job): k for job, k in zip(auto, lengths)}
@@ -231,6 +231,8 @@ class Scheduler:
         job.last_token_at = now
         job.deliver(round_)
         if job.seq.done:
+            if self.controller is not None:
+                self.controller.answers.add(len(job.seq.new_tokens))
             job.seq.stats.wall_s = now - job.arrived
             self.metrics.finish(job.seq.finish_reason)
             job.deliver(Finished(job.seq.finish_reason, job.seq.stats))
