@@ -111,6 +111,13 @@ def test_the_controller_switches_off_probes_and_comes_back():
     assert GoodputController(KNEE, k_max=0).choose([0.9]) == [0]
 
 
+def test_a_probe_does_not_start_a_draft_model_that_has_fallen_far_behind():
+    controller = GoodputController(STEEP, k_max=8, catch_up_token_s=0.002, probe_every=4)
+    # the first sequence's drafter would read 300 tokens (0.6 s, four plain steps) just to look
+    looks = [controller.choose([0.05, 0.05], catch_up=[(300, 10, 256), (5, 10, 256)]) for _ in range(4)]
+    assert looks == [[0, 0]] * 3 + [[0, 1]]
+
+
 def test_measured_costs_are_cached_and_read_back(tmp_path, monkeypatch, tiny_llama):
     import torch
 

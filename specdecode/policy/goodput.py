@@ -22,7 +22,9 @@ sequences still running when a batch thins out are the ones past most answers.
 All k_i = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
 it switches off, probing k = 1 every `probe_every` steps so that a batch that turns
 repetitive gets it back, unless even drafts always accepted would not pay at this batch
-size (then a probe only costs; a batch that shrinks is judged afresh each step). Acceptance per sequence is the adaptive policy's
+size (then a probe only costs; a batch that shrinks is judged afresh each step). A probe
+is a cheap look: it goes only to sequences whose drafter would catch up in less than a
+plain step; a draft model that has fallen far behind starts only when its catch-up pays. Acceptance per sequence is the adaptive policy's
 estimate (`AdaptiveK.alpha`: prior, then what its target accepted, with forgetting).
 """
 
@@ -178,8 +180,10 @@ class GoodputController:
                                                 start_s)
         if not any(lengths) and self._could_pay(len(alphas), others, start_s):
             self.steps_off += 1
-            if self.steps_off % self.probe_every == 0:
-                lengths = [1] * len(alphas)  # a cheap look: does drafting pay again?
+            if self.steps_off % self.probe_every == 0:  # a cheap look: does drafting pay again?
+                step_s = self.pass_costs(len(alphas) + sum(others))
+                unread = [c[0] for c in catch_up] + [0] * (len(alphas) - len(catch_up))
+                lengths = [int(n * self.catch_up_token_s <= step_s) for n in unread]
         elif any(lengths):
             self.steps_off = 0
         self.k = max(lengths)
