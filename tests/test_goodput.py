@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specdecode.policy import goodput
-from specdecode.policy.goodput import AnswerLengths, GoodputController, PassCosts, best_draft_lengths, start_cost
+from specdecode.policy.goodput import RecentAnswers, GoodputController, PassCosts, best_draft_lengths, start_cost
 
 # Passes that cost the same up to 8 rows, then grow with every row (a CPU where a pass is
 # bound by its weights up to 8 rows and by arithmetic past them), in seconds.
@@ -77,7 +77,7 @@ def test_the_controller_starts_a_draft_model_early_in_a_generation_not_at_its_en
 
 
 def test_what_a_sequence_has_left_is_read_from_how_long_recent_answers_ran():
-    answers = AnswerLengths()
+    answers = RecentAnswers()
     for n in (40, 100, 120):
         answers.add(n)
     assert answers.remaining(50, 256) == 206  # too few answers seen to judge: its max_tokens
@@ -86,6 +86,16 @@ def test_what_a_sequence_has_left_is_read_from_how_long_recent_answers_ran():
     assert answers.remaining(50, 110) == pytest.approx((50 + 60 + 60) / 3)  # each capped by its budget
     assert answers.remaining(130, 256) == 126
     assert answers.remaining(300, 301) == 1  # past every answer seen: about to end
+
+
+def test_a_new_sequence_expects_the_acceptance_recent_answers_had():
+    answers = RecentAnswers()
+    assert answers.alpha(0.6) == 0.6  # none drafted yet
+    answers.add(100)  # plain: its length counts, not its acceptance
+    answers.add(80, accepted=9.0, positions=10.0)
+    answers.add(80, accepted=1.0, positions=10.0)
+    assert answers.alpha(0.6) == pytest.approx(0.5)  # position by position, not answer by answer
+    assert len(answers.lengths) == 3
 
 
 def test_a_sequence_past_most_answers_does_not_start_a_draft_model():

@@ -17,7 +17,7 @@ those tokens; that one-time cost, spread over the sequence's remaining steps (`s
 is added to the time of any step in which the sequence drafts, so that a sequence near its
 end, or in a batch where drafting barely pays, does not start a draft model for nothing.
 How many steps a sequence has left is read from how long this server's recent answers ran
-(`AnswerLengths`), not from its max_tokens: most answers end well before it, and the
+(`RecentAnswers`), not from its max_tokens: most answers end well before it, and the
 sequences still running when a batch thins out are the ones past most answers.
 All k_i = 0 is plain decoding of the batch: rate B / V(B). When drafting does not pay
 it switches off, probing k = 1 every `probe_every` steps so that a batch that turns
@@ -25,7 +25,9 @@ repetitive gets it back, unless even drafts always accepted would not pay at thi
 size (then a probe only costs; a batch that shrinks is judged afresh each step). A probe
 is a cheap look: it goes only to sequences whose drafter would catch up in less than a
 plain step; a draft model that has fallen far behind starts only when its catch-up pays. Acceptance per sequence is the adaptive policy's
-estimate (`AdaptiveK.alpha`: prior, then what its target accepted, with forgetting).
+estimate (`AdaptiveK.alpha`: prior, then what its target accepted, with forgetting); the
+prior is what recent answers' drafts accepted, so that a server whose traffic is accepted
+well starts new sequences drafting, and one whose traffic is not does not.
 """
 
 from __future__ import annotations
@@ -88,24 +90,34 @@ ANSWERS_TRUSTED = 4  # fewer than this seen: a sequence may run to its max_token
 
 
 @dataclass
-class AnswerLengths:
-    """The token counts of the last ANSWERS_KEPT answers that finished: what a running
-    sequence may expect still to emit."""
+class RecentAnswers:
+    """The last ANSWERS_KEPT answers that finished: their token counts (what a running
+    sequence may expect still to emit) and what their drafts had accepted (what a new
+    sequence may expect to accept before its own drafts are judged)."""
 
-    seen: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))
+    lengths: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))
+    judged: deque = field(default_factory=lambda: deque(maxlen=ANSWERS_KEPT))  # (accepted, positions)
 
-    def add(self, tokens: int) -> None:
-        self.seen.append(tokens)
+    def add(self, tokens: int, accepted: float = 0.0, positions: float = 0.0) -> None:
+        self.lengths.append(tokens)
+        if positions > 0:
+            self.judged.append((accepted, positions))
 
     def remaining(self, generated: int, budget: int) -> float:
         """Tokens still to come for a sequence that has emitted `generated` of at most
         `budget`: how far past it the recent answers that ran longer went (each capped by the
         budget). Past every answer seen, one: it is expected to end, not to repay a start."""
         left = budget - generated
-        if len(self.seen) < ANSWERS_TRUSTED:
+        if len(self.lengths) < ANSWERS_TRUSTED:
             return float(left)
-        longer = [min(n, budget) - generated for n in self.seen if n > generated]
+        longer = [min(n, budget) - generated for n in self.lengths if n > generated]
         return min(float(left), sum(longer) / len(longer)) if longer else float(min(left, 1))
+
+    def alpha(self, default: float) -> float:
+        """The acceptance of recent answers' drafts, position by position; `default` when
+        none drafted."""
+        positions = sum(p for _, p in self.judged)
+        return sum(a for a, _ in self.judged) / positions if positions else default
 
 
 def best_draft_lengths(alphas: Sequence[float], pass_costs: PassCosts, draft_token_s: float, k_max: int,
@@ -161,7 +173,7 @@ class GoodputController:
     draft_token_s: float = 0.0
     catch_up_token_s: float = 0.0  # the drafter's time per context token it catches up on (start_cost)
     probe_every: int = 16
-    answers: AnswerLengths = field(default_factory=AnswerLengths)  # the scheduler adds each finished answer
+    answers: RecentAnswers = field(default_factory=RecentAnswers)  # the scheduler adds each finished answer
     steps_off: int = field(default=0, init=False)
     k: int = field(default=0, init=False)  # the longest draft of the last step, for the metrics
     gain: float = field(default=1.0, init=False)  # its expected rate over plain decoding

@@ -156,6 +156,8 @@ class Scheduler:
                 self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
                 self.running.append(job)
             return
+        if self._steered(job):  # until its own drafts are judged, it accepts as recent answers did
+            job.seq.policy.prior_alpha = self.controller.answers.alpha(job.seq.policy.prior_alpha)
         try:
             first = prefill(self.target, job.seq)
         except SpecDecodeError as error:
@@ -171,6 +173,10 @@ class Scheduler:
         self._deliver(job, first, now)
         if not job.seq.done:
             self.running.append(job)
+
+    def _steered(self, job: Job) -> bool:
+        """Whether the controller chooses the job's k (its policy is then an AdaptiveK)."""
+        return self.controller is not None and job.mode is AUTO and job.seq.drafter is not None and not job.is_tree
 
     def _drop_cancelled(self) -> None:
         for job in self.running:
@@ -206,7 +212,7 @@ class Scheduler:
             self.metrics.step(len(self.running), True)
             self.running = [job for job in self.running if not job.is_tree or self._advance_alone(job)]
             return
-        auto = [job for job in self.running if job.mode is AUTO and job.seq.drafter is not None]
+        auto = [job for job in self.running if self._steered(job)]
         chosen = {}
         if auto and self.controller is not None:
             others = [1 + job.k(0) for job in self.running if job not in auto]
@@ -232,7 +238,9 @@ class Scheduler:
         job.deliver(round_)
         if job.seq.done:
             if self.controller is not None:
-                self.controller.answers.add(len(job.seq.new_tokens))
+                policy = job.seq.policy  # AdaptiveK for AUTO jobs: what the target accepted, as the controller reads it
+                judged = (policy.accepted, policy.positions) if self._steered(job) else ()
+                self.controller.answers.add(len(job.seq.new_tokens), *judged)
             job.seq.stats.wall_s = now - job.arrived
             self.metrics.finish(job.seq.finish_reason)
             job.deliver(Finished(job.seq.finish_reason, job.seq.stats))
