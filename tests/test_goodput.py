@@ -71,9 +71,9 @@ def test_a_sequence_whose_drafter_must_catch_up_drafts_only_where_that_pays():
 def test_the_controller_starts_a_draft_model_early_in_a_generation_not_at_its_end():
     controller = GoodputController(KNEE, k_max=8, catch_up_token_s=0.002)
     # 300 unread context tokens: 0.6 s, over 200 tokens left (~110 steps) it pays, over 3 it does not
-    assert controller.choose([0.8], catch_up=[(300, 56, 256)])[0] > 0
-    assert controller.choose([0.8], catch_up=[(300, 253, 256)]) == [0]
-    assert controller.choose([0.8], catch_up=[(1, 253, 256)])[0] > 0  # in step with the context: no catch-up
+    assert controller.choose([0.8], catch_up=[(300, 200)])[0] > 0
+    assert controller.choose([0.8], catch_up=[(300, 3)]) == [0]
+    assert controller.choose([0.8], catch_up=[(1, 3)])[0] > 0  # in step with the context: no catch-up
 
 
 def test_what_a_sequence_has_left_is_read_from_how_long_recent_answers_ran():
@@ -101,11 +101,12 @@ def test_a_new_sequence_expects_the_acceptance_recent_answers_had():
 def test_a_sequence_past_most_answers_does_not_start_a_draft_model():
     # alone drafting pays over 4x, but a 0.6 s catch-up does not repay itself in one step
     controller = GoodputController(KNEE, k_max=8, catch_up_token_s=0.002)
-    assert controller.choose([0.8], catch_up=[(300, 100, 256)])[0] > 0  # nothing seen yet: 156 tokens to come
+    left = controller.answers.remaining
+    assert controller.choose([0.8], catch_up=[(300, left(100, 256))])[0] > 0  # nothing seen yet: 156 to come
     for _ in range(4):
         controller.answers.add(100)
-    assert controller.choose([0.8], catch_up=[(300, 100, 256)]) == [0]
-    assert controller.choose([0.8], catch_up=[(300, 20, 256)])[0] > 0  # early on, 80 tokens to come
+    assert controller.choose([0.8], catch_up=[(300, left(100, 256))]) == [0]
+    assert controller.choose([0.8], catch_up=[(300, left(20, 256))])[0] > 0  # early on, 80 tokens to come
 
 
 def test_the_controller_switches_off_probes_and_comes_back():
@@ -124,7 +125,7 @@ def test_the_controller_switches_off_probes_and_comes_back():
 def test_a_probe_does_not_start_a_draft_model_that_has_fallen_far_behind():
     controller = GoodputController(STEEP, k_max=8, catch_up_token_s=0.002, probe_every=4)
     # the first sequence's drafter would read 300 tokens (0.6 s, four plain steps) just to look
-    looks = [controller.choose([0.05, 0.05], catch_up=[(300, 10, 256), (5, 10, 256)]) for _ in range(4)]
+    looks = [controller.choose([0.05, 0.05], catch_up=[(300, 246), (5, 246)]) for _ in range(4)]
     assert looks == [[0, 0]] * 3 + [[0, 1]]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdecode.core.batch import Sequence
+from specdecode.core.sampling import SamplingConfig
 from specdecode.core.stopping import StopCondition
 from specdecode.drafters import PromptLookup
 from specdecode.models.native import NativeModel
@@ -27,14 +28,17 @@ def tiny(tiny_llama):
     return NativeModel.from_folder(tiny_llama, torch.bfloat16)
 
 
-def run(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int) -> list[Job]:
-    """Each prompt as an AUTO request, one after another; the jobs once all are done."""
+def run(scheduler: Scheduler, prompts: list[list[int]], new_tokens: int, seeded: bool = False) -> list[Job]:
+    """Each prompt as an AUTO request, one after another (`seeded`: sampled with a seed of
+    its own); the jobs once all are done."""
     jobs = []
     for prompt in prompts:
         done = threading.Event()
         seq = Sequence(prompt, StopCondition(frozenset(), max_new_tokens=new_tokens), drafter=PromptLookup(),
                        policy=AdaptiveK(CostModel(0.0), k_max=4), k_max=4)
-        job = Job(seq, lambda event, done=done: isinstance(event, Finished) and done.set(), AUTO)
+        if seeded:
+            seq.sampling, seq.generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(7)
+        job = Job(seq, lambda event, done=done: isinstance(event, Finished) and done.set(), AUTO, repeatable=seeded)
         scheduler.submit(job)
         assert done.wait(60), "the request did not finish"
         jobs.append(job)
@@ -48,10 +52,13 @@ def test_answers_that_finish_set_the_next_requests_prior_and_expected_length(tin
     try:
         repetitive = [5, 17, 42, 8] * 6  # prompt lookup keeps finding its continuation
         first, second = run(scheduler, [repetitive, repetitive[1:]], new_tokens=24)
+        seeded, = run(scheduler, [repetitive], new_tokens=24, seeded=True)
     finally:
         scheduler.stop(10)
-    assert list(controller.answers.lengths) == [24, 24]
+    assert list(controller.answers.lengths) == [24, 24, 24]
     assert first.seq.policy.prior_alpha == 0.6  # nothing seen yet: the policy's own prior
     judged = first.seq.policy.accepted / first.seq.policy.positions
     assert second.seq.policy.prior_alpha == pytest.approx(judged) and judged != 0.6
     assert first.seq.stats.draft_tokens > 0
+    # a seeded sampled request draws the same when sent again: nothing learned steers it
+    assert seeded.seq.policy.prior_alpha == 0.6

@@ -173,21 +173,20 @@ class GoodputController:
     draft_token_s: float = 0.0
     catch_up_token_s: float = 0.0  # the drafter's time per context token it catches up on (start_cost)
     probe_every: int = 16
-    answers: RecentAnswers = field(default_factory=RecentAnswers)  # the scheduler adds each finished answer
+    answers: RecentAnswers = field(default_factory=RecentAnswers)  # the scheduler adds and reads them
     steps_off: int = field(default=0, init=False)
     k: int = field(default=0, init=False)  # the longest draft of the last step, for the metrics
     gain: float = field(default=1.0, init=False)  # its expected rate over plain decoding
 
     def choose(self, alphas: Sequence[float], others: Sequence[int] = (),
-               catch_up: Sequence[tuple[int, int, int]] = ()) -> list[int]:
+               catch_up: Sequence[tuple[int, float]] = ()) -> list[int]:
         """The draft length of each sequence of acceptance alphas in a step, beside others
         (best_draft_lengths); catch_up[i] = (context tokens its drafter has not read, tokens
-        it has emitted, the most it may emit), default: nothing to catch up on."""
+        it may still emit: `answers.remaining`, or its max_tokens' rest), default (0, any)."""
         if not alphas or self.k_max < 1:
             self.k, self.gain = 0, 1.0
             return [0] * len(alphas)
-        start_s = [start_cost(unread, self.catch_up_token_s, self.answers.remaining(emitted, budget), a)
-                   for (unread, emitted, budget), a in zip(catch_up, alphas)]
+        start_s = [start_cost(unread, self.catch_up_token_s, left, a) for (unread, left), a in zip(catch_up, alphas)]
         lengths, self.gain = best_draft_lengths(alphas, self.pass_costs, self.draft_token_s, self.k_max, others,
                                                 start_s)
         if not any(lengths) and self._could_pay(len(alphas), others, start_s):

@@ -207,7 +207,7 @@ def _job(service: Service, body, prompt_ids: list[int], deliver) -> Job:
     except SpecDecodeError as error:
         raise BadRequest(400, str(error))
     seq = Sequence(prompt_ids, stop, sampling, drafter, policy, torch.Generator().manual_seed(seed), k_max)
-    return Job(seq, deliver, mode)
+    return Job(seq, deliver, mode, repeatable=body.seed is not None and not sampling.greedy)
 
 
 async def _serve(service: Service, body, request: Request, prompt_ids: list[int], chat: bool):

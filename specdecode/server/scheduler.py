@@ -61,6 +61,9 @@ class Job:
     cancelled: bool = False
     last_token_at: float | None = None
     alone: Iterator | None = None  # a tree drafter's generation (engine.decode), one round per step
+    # a sampled request with its own seed: steered from its own acceptance and max_tokens only,
+    # not from what the server learned of other answers, so that sent again it draws the same
+    repeatable: bool = False
 
     @property
     def is_tree(self) -> bool:
@@ -156,7 +159,7 @@ class Scheduler:
                 self.metrics.prompt_tokens.inc(len(seq.prompt_ids))
                 self.running.append(job)
             return
-        if self._steered(job):  # until its own drafts are judged, it accepts as recent answers did
+        if self._steered(job) and not job.repeatable:  # until its drafts are judged: as recent answers did
             job.seq.policy.prior_alpha = self.controller.answers.alpha(job.seq.policy.prior_alpha)
         try:
             first = prefill(self.target, job.seq)
@@ -177,6 +180,11 @@ class Scheduler:
     def _steered(self, job: Job) -> bool:
         """Whether the controller chooses the job's k (its policy is then an AdaptiveK)."""
         return self.controller is not None and job.mode is AUTO and job.seq.drafter is not None and not job.is_tree
+
+    def _tokens_left(self, job: Job) -> float:
+        """What the job may still emit, as the controller prices a catch-up."""
+        emitted, budget = len(job.seq.new_tokens), job.seq.stop.max_new_tokens
+        return budget - emitted if job.repeatable else self.controller.answers.remaining(emitted, budget)
 
     def _drop_cancelled(self) -> None:
         for job in self.running:
@@ -216,8 +224,7 @@ class Scheduler:
         chosen = {}
         if auto and self.controller is not None:
             others = [1 + job.k(0) for job in self.running if job not in auto]
-            catch_up = [(job.seq.drafter.unread(job.seq.context), len(job.seq.new_tokens), job.seq.stop.max_new_tokens)
-                        for job in auto]
+            catch_up = [(job.seq.drafter.unread(job.seq.context), self._tokens_left(job)) for job in auto]
             lengths = self.controller.choose([job.seq.policy.alpha for job in auto], others, catch_up)
             chosen = {id(job): k for job, k in zip(auto, lengths)}
             self.metrics.controller_k.set(self.controller.k)
