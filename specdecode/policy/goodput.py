@@ -24,10 +24,11 @@ it switches off, probing k = 1 every `probe_every` steps so that a batch that tu
 repetitive gets it back, unless even drafts always accepted would not pay at this batch
 size (then a probe only costs; a batch that shrinks is judged afresh each step). A probe
 is a cheap look: it goes only to sequences whose drafter would catch up in less than a
-plain step; a draft model that has fallen far behind starts only when its catch-up pays. Acceptance per sequence is the adaptive policy's
-estimate (`AdaptiveK.alpha`: prior, then what its target accepted, with forgetting); the
-prior is what recent answers' drafts accepted, so that a server whose traffic is accepted
-well starts new sequences drafting, and one whose traffic is not does not.
+plain step; a draft model that has fallen far behind starts only when its catch-up pays.
+Acceptance per sequence is the adaptive policy's estimate (`AdaptiveK.alpha`: prior, then
+what its target accepted, with forgetting); the prior is what recent answers' drafts
+accepted, so that a server whose traffic is accepted well starts new sequences drafting,
+and one whose traffic is not does not.
 """
 
 from __future__ import annotations

@@ -222,7 +222,7 @@ class Scheduler:
             return
         auto = [job for job in self.running if self._steered(job)]
         chosen = {}
-        if auto and self.controller is not None:
+        if auto:  # steered jobs exist only with a controller
             others = [1 + job.k(0) for job in self.running if job not in auto]
             catch_up = [(job.seq.drafter.unread(job.seq.context), self._tokens_left(job)) for job in auto]
             lengths = self.controller.choose([job.seq.policy.alpha for job in auto], others, catch_up)
