@@ -56,8 +56,8 @@ HEADERS = {  # part of the build's key, not compiled alone
              _HERE / "tile_prefetch.h"],
 }
 FLAGS = {
-    "amx": ["-O3", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
-            "-mamx-bf16", "-fopenmp"],
+    "amx": ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq",
+            "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8", "-fopenmp"],
     "avx512": ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq",
                "-mavx512bf16", "-mavx512vnni", "-fopenmp"],
     "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
