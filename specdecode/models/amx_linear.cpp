@@ -50,6 +50,9 @@ void configure(int rows) {
   for (int t = 0; t < 4; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }  // C: rows x 16 fp32
   cfg.rows[4] = rows; cfg.colsb[4] = 64;                                   // A: rows x 32 bf16
   for (int t = 5; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }    // B: 16 x (16 outputs x 2)
+  // GCC 12 may not count LDTILECFG as reading the whole struct and drop some of its stores
+  // (an invalid configuration then faults); the barrier keeps them
+  asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 

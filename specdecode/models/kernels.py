@@ -10,7 +10,7 @@ Three builds of the same functions, one per kind of CPU:
   (avx2_linear.cpp, avx2_ops.cpp, avx2_attention.cpp).
 All add the rotary embedding (rope.cpp), every layer of a pass in one call
 (decoder_layer.cpp) and the products over quantized GGUF blocks (quant_linear.cpp: AVX2,
-with VNNI's VPDPBUSD where the build has it).
+with VNNI's VPDPBUSD where the build has it, and AMX's TDPBSUD for passes over many rows).
 
 `kernel()` returns the compiled module, or None where none can run (no AVX2, no compiler)
 so that `Linear` falls back to oneDNN or F.linear. The build (1-3 minutes) goes to
@@ -69,7 +69,7 @@ STALE_LOCK_S = 600  # a build takes 1-3 minutes; a lock this old belongs to a de
 
 
 REQUIRED_FLAGS = {
-    "amx": ("amx_bf16", "amx_tile", "avx512_vnni"),
+    "amx": ("amx_bf16", "amx_int8", "amx_tile", "avx512_vnni"),
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"),
     "avx2": ("avx2", "fma"),
 }

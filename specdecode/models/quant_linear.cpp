@@ -12,6 +12,8 @@
 // the products are summed in integers (exact), and the blocks' scaled sums are added into
 // eight fp32 lanes in block order, then summed across lanes. So every output is the same sequence of operations whatever the
 // number of rows: a verify pass gives each token bitwise the output of a one-token pass.
+// With AMX, passes over many rows take each block's integer sums from tile products
+// instead (amx_pair): the same integers, finished by the same operations.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,6 +30,12 @@
 // here (each block type states its bound), so both give the same integers and the same output.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define VNNI 1
+#endif
+
+// AMX's TDPBSUD multiplies a tile of up to 16 rows' signed bytes by 16 columns of unsigned
+// ones, each output the exact int32 sum VPDPBUSD's chain gives (see amx_pair).
+#if defined(VNNI) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#define AMX_INT8 1
 #endif
 
 namespace {
@@ -395,6 +403,11 @@ struct Q4KX8 : Lanes8 {
     }
   }
 
+  // A group's products as AMX gives them (one tile product of its 32 values), and its scale.
+  static constexpr int HALVES = 1;
+  static constexpr bool SCALED = true;
+  __m256i scale_of(int) const { return scale32; }
+
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
     return _mm256_mullo_epi32(dot32(v, q), scale32);
@@ -456,6 +469,11 @@ struct Q6KX8 : Lanes8 {
                                         _mm256_and_si256(_mm256_srli_epi16(high, 2), top));
     }
   }
+
+  // AMX: a tile product per half of the group (16 values), each half with its scale.
+  static constexpr int HALVES = 2;
+  static constexpr bool SCALED = true;
+  __m256i scale_of(int half) const { return half == 0 ? first32 : second32; }
 
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
@@ -522,6 +540,10 @@ struct Q80X8 : Lanes8 {
     }
   }
 
+  static constexpr int HALVES = 1;  // AMX: one tile product, no scale before finish
+  static constexpr bool SCALED = false;
+  __m256i scale_of(int) const { return _mm256_set1_epi32(1); }
+
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
     return dot32(v, q);
@@ -578,6 +600,10 @@ struct Q50X8 : Lanes8 {
     v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(high, 2), fifth));
     v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(high, 3), fifth));
   }
+
+  static constexpr int HALVES = 1;  // AMX: one tile product, no scale before finish
+  static constexpr bool SCALED = false;
+  __m256i scale_of(int) const { return _mm256_set1_epi32(1); }
 
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
@@ -677,6 +703,10 @@ struct Q4KPair : Lanes16 {
     }
   }
 
+  static constexpr int HALVES = 1;  // AMX (amx_pair): one tile product a group, then its scale
+  static constexpr bool SCALED = true;
+  __m512i scale_of(int) const { return scale32; }
+
   __m512i dot(const int8_t* q) const {
     __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
     for (int t = 0; t < 4; ++t) a = _mm512_dpbusd_epi32(a, v[t], broadcast4_512(q + 4 * t));
@@ -694,6 +724,22 @@ struct Q4KPair : Lanes16 {
     const __m512 dx = _mm512_set1_ps(x.d[b]);
     acc = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sum), acc);
     acc = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(offset), acc);
+  }
+
+  // `finish` for rows [0, M) of a block at once (amx_pair), the mins decoded once for all.
+  void finish_rows(const Q8Row* x, int64_t b, const __m512i* sum, __m512* acc, int64_t M) const {
+    __m512i mins[4];
+    for (int pair = 0; pair < 4; ++pair)
+      mins[pair] = _mm512_cvtepu8_epi16(load_two16(blk + 128 + 16 * pair, blk + stride + 128 + 16 * pair));
+    for (int64_t m = 0; m < M; ++m) {
+      const int16_t* s32 = x[m].sums32.data() + b * 8;
+      __m512i offset = _mm512_setzero_si512();
+      for (int pair = 0; pair < 4; ++pair)
+        offset = _mm512_add_epi32(offset, _mm512_madd_epi16(mins[pair], broadcast_pair_512(s32 + 2 * pair)));
+      const __m512 dx = _mm512_set1_ps(x[m].d[b]);
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(sum[m]), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(offset), acc[m]);
+    }
   }
 };
 
@@ -834,13 +880,17 @@ void rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_t n1
 
 // The inputs of rows x[0, mt) over blocks [b0, b1) as a long pass reads them (PackedInputs):
 // [block][group of 32][row][32], so that a group's inner loop reads them front to back,
-// from the first level of cache.
-void pack_rows(const Q8Row* x, int64_t mt, int64_t values, int64_t b0, int64_t b1, int8_t* packed) {
-  const int64_t groups = values / 32;
+// from the first level of cache. `stride_rows` (at least mt) rows a group, the ones past mt
+// zero (AMX's tiles read whole tiles of rows).
+void pack_rows(const Q8Row* x, int64_t mt, int64_t values, int64_t b0, int64_t b1, int8_t* packed,
+               int64_t stride_rows = 0) {
+  const int64_t groups = values / 32, stride = std::max(stride_rows, mt);
   for (int64_t b = b0; b < b1; ++b)
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t m = 0; m < mt; ++m)
-        std::memcpy(packed + (((b - b0) * groups + g) * mt + m) * 32, x[m].q.data() + b * values + 32 * g, 32);
+    for (int64_t g = 0; g < groups; ++g) {
+      int8_t* at = packed + ((b - b0) * groups + g) * stride * 32;
+      for (int64_t m = 0; m < mt; ++m) std::memcpy(at + m * 32, x[m].q.data() + b * values + 32 * g, 32);
+      std::memset(at + mt * 32, 0, (stride - mt) * 32);
+    }
 }
 
 // A kernel for this many rows: one and two specialized as stored (a decoding step, a short
@@ -859,23 +909,214 @@ void rows_times_any(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_
   }
 }
 
+#ifdef AMX_INT8
+// Passes over several rows on Intel AMX. Two adjacent groups of eight rows of weights are
+// the 16 columns of a tile (Q4KPair's lanes), a group's 32 values its depth: TDPBSUD then
+// multiplies up to 16 rows of inputs by all 16 in one instruction, where VNNI takes eight
+// VPDPBUSD per row. Each column's sum is the exact int32 of the VNNI chain; the sums take the
+// block type's scales in integers and each half is finished by the eight-row type's own
+// `finish`, lane for lane, so every row's output is bitwise what the one-row product gives.
+constexpr int64_t AMX_TILE_ROWS = 16;  // rows of inputs per tile product
+// From 12 rows on: all of Qwen2.5-1.5B's Q4_K_M layer matrices (0.82 GB), Intel Xeon with
+// AMX, 2 threads, VNNI against AMX, ms: 8 rows 55 / 58-67, 12 rows 77 / 71-78, 16 rows
+// 91 / 78-93, 32 rows 197-202 / 143-146, 64 rows 370-398 / 271-282. Fewer rows wait on
+// memory, where unpacking into tiles only adds work.
+constexpr int64_t AMX_MIN_ROWS = 12;
+
+struct TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-1: C (rows x 16 int32), 2-3: A (rows x the bytes of a product), 4-5: B (a
+// product's bytes / 4 x 16 columns x 4); the second of each for a type's second half.
+template <typename Block>
+void amx_configure(int rows) {
+  constexpr int bytes = 32 / Block::HALVES;
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 2; ++t) {
+    cfg.rows[t] = rows; cfg.colsb[t] = 64;
+    cfg.rows[2 + t] = rows; cfg.colsb[2 + t] = bytes;
+    cfg.rows[4 + t] = bytes / 4; cfg.colsb[4 + t] = 64;
+  }
+  // GCC 12 may not count LDTILECFG as reading the whole struct and drop some of its stores
+  // (an invalid configuration then faults, as it did here); the barrier keeps them
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// Rows in a packed group of inputs for a pass of M rows: M where one tile takes them all,
+// else whole tiles of 16 (the rows past M zero).
+inline int64_t amx_stride_rows(int64_t M) {
+  return M <= AMX_TILE_ROWS ? M : (M + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS * AMX_TILE_ROWS;
+}
+
+// Two adjacent groups of eight rows of weights as one of sixteen, for amx_pair: Q4KPair for
+// Q4_K (its own 512-bit finish), else each group's block type side by side, each half
+// finished by its own type.
+template <typename Block>
+struct TwoGroups {
+  static constexpr int64_t BYTES = Block::BYTES, GROUPS = Block::GROUPS;
+  static constexpr int HALVES = Block::HALVES;
+  static constexpr bool SCALED = Block::SCALED;
+  int64_t stride = 0;  // bytes from a block of the first group to the second's
+  Block a{}, b{};
+  __m512i v[8];
+
+  void prefetch(const uint8_t* p) const {
+    a.prefetch(p);
+    b.prefetch(p + stride);
+  }
+  void load(const uint8_t* p) {
+    a.load(p);
+    b.load(p + stride);
+  }
+  void unpack(int g) {
+    a.unpack(g);
+    b.unpack(g);
+    for (int t = 0; t < 8; ++t) v[t] = _mm512_inserti64x4(_mm512_castsi256_si512(a.v[t]), b.v[t], 1);
+  }
+  __m512i scale_of(int h) const { return _mm512_inserti64x4(_mm512_castsi256_si512(a.scale_of(h)), b.scale_of(h), 1); }
+  void finish(const Q8Row& x, int64_t blk, __m512i sum, __m512& acc) const {
+    __m256 lo = _mm512_castps512_ps256(acc), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
+    a.finish(x, blk, _mm512_castsi512_si256(sum), lo);
+    b.finish(x, blk, _mm512_extracti64x4_epi64(sum, 1), hi);
+    acc = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+  }
+  void finish_rows(const Q8Row* x, int64_t blk, const __m512i* sum, __m512* acc, int64_t M) const {
+    for (int64_t m = 0; m < M; ++m) finish(x[m], blk, sum[m], acc[m]);
+  }
+};
+
+template <typename Block>
+using PairOf = std::conditional_t<std::is_same_v<Block, Q4KX8>, Q4KPair, TwoGroups<Block>>;
+
+// Rows [0, M) of x (M <= TILE_ROWS; inputs packed `in.tile_rows` a group) times a pair of
+// groups of weights (`w`: the first group's blocks, pair.stride to the second's) over
+// blocks [b0, b1), into out[m * ldo + r] for the 16 rows r, carrying the lanes across
+// ranges of blocks as x8_group_rows does. The tiles are configured for min(M, 16) rows.
+template <typename Pair>
+void amx_pair(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, PackedInputs in,
+              float* out, int64_t ldo, int64_t prefetch_blocks) {
+  constexpr int G = Pair::GROUPS, H = Pair::HALVES;
+  // A block's groups unpacked first, then their tile products, then the sums: the products
+  // of one group need not wait for the previous group's sums.
+  alignas(64) uint8_t weights[G][8 * 64];  // B: row t, values 4t..4t + 3 of the 16 rows of weights
+  alignas(64) int32_t c[G][H][AMX_TILE_ROWS * 16];
+  __m512i scale[G][H];
+  __m512 acc[TILE_ROWS];
+  __m512i sum[TILE_ROWS];
+  for (int64_t m = 0; m < M; ++m) acc[m] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * ldo);
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const uint8_t* p = w + blk * Pair::BYTES;
+    pair.prefetch(p + prefetch_blocks * Pair::BYTES);
+    pair.load(p);
+    for (int g = 0; g < G; ++g) {
+      pair.unpack(g);
+      for (int t = 0; t < 8; ++t) _mm512_store_si512(weights[g] + 64 * t, pair.v[t]);
+      for (int h = 0; h < H; ++h) scale[g][h] = pair.scale_of(h);
+    }
+    for (int64_t m = 0; m < M; ++m) sum[m] = _mm512_setzero_si512();
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_TILE_ROWS) {
+      for (int g = 0; g < G; ++g) {
+        const int8_t* q = in.at(m0, blk, g);
+        if constexpr (H == 2) {
+          _tile_loadd(2, q, 32); _tile_loadd(4, weights[g], 64);
+          _tile_loadd(3, q + 16, 32); _tile_loadd(5, weights[g] + 4 * 64, 64);
+          _tile_zero(0); _tile_dpbsud(0, 2, 4); _tile_stored(0, c[g][0], 64);
+          _tile_zero(1); _tile_dpbsud(1, 3, 5); _tile_stored(1, c[g][1], 64);
+        } else if (g % 2 == 0) {  // alternate tiles: consecutive groups' products overlap
+          _tile_loadd(2, q, 32); _tile_loadd(4, weights[g], 64);
+          _tile_zero(0); _tile_dpbsud(0, 2, 4); _tile_stored(0, c[g][0], 64);
+        } else {
+          _tile_loadd(3, q, 32); _tile_loadd(5, weights[g], 64);
+          _tile_zero(1); _tile_dpbsud(1, 3, 5); _tile_stored(1, c[g][0], 64);
+        }
+      }
+      const int64_t rows = std::min(AMX_TILE_ROWS, M - m0);
+      for (int64_t r = 0; r < rows; ++r) {
+        __m512i total = sum[m0 + r];
+        for (int g = 0; g < G; ++g)
+          for (int h = 0; h < H; ++h) {
+            const __m512i product = _mm512_load_si512(c[g][h] + 16 * r);
+            total = _mm512_add_epi32(total, Pair::SCALED ? _mm512_mullo_epi32(product, scale[g][h]) : product);
+          }
+        sum[m0 + r] = total;
+      }
+    }
+    pair.finish_rows(x, blk, sum, acc, M);
+  }
+  for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
+// Groups [g0, g1) of eight rows of weights times rows [0, M) over blocks [b0, b1), as
+// x8_groups: pairs of groups on AMX, an odd last group on VNNI (the same output).
+template <typename Block>
+void amx_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t b0, int64_t b1, const Q8Row* x,
+                int64_t M, PackedInputs in, float* out, int64_t ldo, int64_t prefetch_blocks) {
+  const int64_t group_bytes = blocks * Block::BYTES;
+  int64_t group = g0;
+  if (group + 1 < g1) {
+    PairOf<Block> pair;
+    pair.stride = group_bytes;
+    amx_configure<PairOf<Block>>(static_cast<int>(std::min(M, AMX_TILE_ROWS)));
+    for (; group + 1 < g1; group += 2)
+      amx_pair(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
+    _tile_release();
+  }
+  for (; group < g1; ++group)
+    x8_group(Block{}, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
+}
+
+// A repacked part times rows x (AMX_MIN_ROWS <= M < TILE_ROWS / 2): the rows' inputs packed
+// once, pairs of groups split between the threads.
+template <typename Block>
+void amx_part(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* out, int64_t ldo) {
+  const int64_t M = x.count, stride = amx_stride_rows(M);
+  std::vector<int8_t> packed(stride * blocks * Block::VALUES);
+  pack_rows(x.data(), M, Block::VALUES, 0, blocks, packed.data(), stride);
+  const PackedInputs in{packed.data(), stride, 0, Block::GROUPS};
+  at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    amx_groups<Block>(w, blocks, 2 * p0, std::min(groups, 2 * p1), 0, blocks, x.data(), M, in, out, ldo,
+                      PREFETCH_X8_ROWS);
+  });
+}
+#endif
+
 // A repacked part (groups of eight rows) times every row of x, tiled for passes over many
 // rows: TILE_ROWS rows' inputs over TILE_VALUES of their values (256 KB) stay in cache
 // while every group of weights goes by, so the weights are read once per TILE_ROWS rows.
 template <typename Block>
 void x8_tiled(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* out, int64_t ldo) {
   const int64_t M = static_cast<int64_t>(x.size()), tile_blocks = TILE_VALUES / Block::VALUES;
+#ifdef AMX_INT8
+  std::vector<int8_t> packed(amx_stride_rows(std::min(M, TILE_ROWS)) * TILE_VALUES);
+#else
   std::vector<int8_t> packed(std::min(M, TILE_ROWS) * TILE_VALUES);
+#endif
   for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
     const int64_t mt = std::min(TILE_ROWS, M - m0);
     for (int64_t b0 = 0; b0 < blocks; b0 += tile_blocks) {
       const int64_t b1 = std::min(blocks, b0 + tile_blocks);
+#ifdef AMX_INT8
+      const int64_t stride = amx_stride_rows(mt);
+      pack_rows(x.data() + m0, mt, Block::VALUES, b0, b1, packed.data(), stride);
+      at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+        amx_groups<Block>(w, blocks, 2 * p0, std::min(groups, 2 * p1), b0, b1, x.data() + m0, mt,
+                          PackedInputs{packed.data(), stride, b0, Block::GROUPS}, out + m0 * ldo, ldo, 1);
+      });
+#else
       pack_rows(x.data() + m0, mt, Block::VALUES, b0, b1, packed.data());
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
         x8_groups<Block>(w, blocks, g0, g1, b0, b1, x.data() + m0, mt,
                          PackedInputs{packed.data(), mt, b0, Block::GROUPS},
                          out + m0 * ldo, ldo, 1);
       });
+#endif
     }
   }
 }
@@ -906,6 +1147,9 @@ bool repacked(int64_t bytes) {
 template <typename Block>
 void x8_part(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* out, int64_t ldo) {
   if (x.count >= TILE_ROWS / 2) return x8_tiled<Block>(w, blocks, groups, x, out, ldo);
+#ifdef AMX_INT8
+  if (x.count >= AMX_MIN_ROWS) return amx_part<Block>(w, blocks, groups, x, out, ldo);
+#endif
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     rows_times_any<Block, true>(w, blocks, x, g0, g1, out, ldo);
   });
