@@ -17,6 +17,25 @@ def test_sampling_is_not_offered_to_the_peer():
     assert llamacpp_peer.unavailable(0.7) == "it runs greedy decoding only"
 
 
+def test_a_build_that_crashes_in_its_test_process_is_skipped_with_the_signal():
+    """The binding runs in-process: a build that faults (GCC 12's AMX code does) must be
+    found in a process of its own, or it would take the bench down with it."""
+    segfault = (sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    why = llamacpp_peer.crashes(segfault)
+    assert why.startswith("llama.cpp crashed (SIGSEGV) on a test pass over 16 tokens")
+    failing = (sys.executable, "-c", "raise SystemExit('no such file')")
+    assert "failed (no such file)" in llamacpp_peer.crashes(failing)
+    assert llamacpp_peer.crashes((sys.executable, "-c", "pass")) is None
+
+
+@pytest.mark.real
+def test_a_working_build_passes_its_test_pass_on_the_targets_gguf(smollm2_folder):
+    if llamacpp_peer.unavailable(0.0) is not None:
+        pytest.skip(llamacpp_peer.unavailable(0.0))
+    gguf, why = llamacpp_peer.target_gguf(smollm2_folder, 0.0)
+    assert why is None and gguf.suffix == ".gguf"
+
+
 @pytest.mark.real
 def test_the_peer_decodes_greedily_on_the_targets_gguf_to_the_budget(smollm2_folder):
     why = llamacpp_peer.unavailable(0.0)

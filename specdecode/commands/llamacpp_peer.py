@@ -4,12 +4,19 @@ speculation on the same GGUF file, prompt token ids, greedy budget and thread co
 It runs through the llama-cpp-python binding, an optional extra
 (`pip install -e '.[llamacpp]'`, which builds llama.cpp from source: 10-15 minutes on two
 cores). Where the binding is missing, or the target has no GGUF file, or sampling is
-asked for, the peer is skipped with a one-line note. Its output is not compared with ours
-for identity: llama.cpp's kernels round differently.
+asked for, the peer is skipped with a one-line note. So is a build that crashes: the
+binding runs in this process, so before it is loaded here a test process runs a pass over
+several tokens with it (GCC 12, Debian 12's compiler, miscompiles llama.cpp's AMX code,
+which then faults on Intel CPUs with AMX; built with clang it runs). Its output is not
+compared with ours for identity: llama.cpp's kernels round differently.
 """
 
 from __future__ import annotations
 
+import functools
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,9 +42,43 @@ def target_gguf(folder: Path, temperature: float) -> tuple[Path | None, str | No
     if why is not None:
         return None, why
     try:
-        return gguf_file(folder, progress=False), None
+        gguf = gguf_file(folder, progress=False)
     except SpecDecodeError as err:
         return None, f"no GGUF file for the target ({err})"
+    crash = crashes((sys.executable, "-c", _PROBE, str(gguf)))
+    return (None, crash) if crash else (gguf, None)
+
+
+# A pass over 16 tokens (llama.cpp's batched products, AMX's among them) and one step.
+_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_threads=2, n_ctx=64, verbose=False)
+llm.eval(list(range(100, 116)))
+llm.eval([116])
+"""
+_CLANG = "CC=clang CXX=clang++ pip install --force-reinstall --no-deps --no-binary llama-cpp-python -e '.[llamacpp]'"
+
+
+@functools.cache
+def crashes(command: tuple[str, ...]) -> str | None:
+    """Why the llama.cpp build fails a test run of `command` in a process of its own (a
+    signal or an error), or None where it runs."""
+    done = subprocess.run(list(command), capture_output=True, text=True, timeout=300)
+    if done.returncode == 0:
+        return None
+    if done.returncode < 0:
+        how = f"crashed ({signal.Signals(-done.returncode).name})"
+    else:
+        how = f"failed ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})"
+    hint = f"; GCC 12 miscompiles its AMX code, rebuild it with clang: {_CLANG}" if _has_amx() else ""
+    return f"llama.cpp {how} on a test pass over 16 tokens{hint}"
+
+
+def _has_amx() -> bool:
+    from specdecode.models.kernels import cpu_has_amx
+
+    return cpu_has_amx()
 
 
 def _load(gguf: Path, threads: int, context: int, **kwargs):
