@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from specdecode.errors import SpecDecodeError
+from specdecode.models.kernels import cpu_has_amx
 from specdecode.models.store import gguf_file
 
 
@@ -71,14 +72,8 @@ def crashes(command: tuple[str, ...]) -> str | None:
         how = f"crashed ({signal.Signals(-done.returncode).name})"
     else:
         how = f"failed ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode})"
-    hint = f"; GCC 12 miscompiles its AMX code, rebuild it with clang: {_CLANG}" if _has_amx() else ""
+    hint = f"; GCC 12 miscompiles its AMX code, rebuild it with clang: {_CLANG}" if cpu_has_amx() else ""
     return f"llama.cpp {how} on a test pass over 16 tokens{hint}"
-
-
-def _has_amx() -> bool:
-    from specdecode.models.kernels import cpu_has_amx
-
-    return cpu_has_amx()
 
 
 def _load(gguf: Path, threads: int, context: int, **kwargs):
