@@ -914,13 +914,13 @@ void rows_times_any(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_
 // the 16 columns of a tile (Q4KPair's lanes), a group's 32 values its depth: TDPBSUD then
 // multiplies up to 16 rows of inputs by all 16 in one instruction, where VNNI takes eight
 // VPDPBUSD per row. Each column's sum is the exact int32 of the VNNI chain; the sums take the
-// block type's scales in integers and each half is finished by the eight-row type's own
-// `finish`, lane for lane, so every row's output is bitwise what the one-row product gives.
+// block type's scales in integers and are finished by the eight-row type's fp32 operations,
+// lane for lane, so every row's output is bitwise what the one-row product gives.
 constexpr int64_t AMX_TILE_ROWS = 16;  // rows of inputs per tile product
 // From 12 rows on: all of Qwen2.5-1.5B's Q4_K_M layer matrices (0.82 GB), Intel Xeon with
-// AMX, 2 threads, VNNI against AMX, ms: 8 rows 55 / 58-67, 12 rows 77 / 71-78, 16 rows
-// 91 / 78-93, 32 rows 197-202 / 143-146, 64 rows 370-398 / 271-282. Fewer rows wait on
-// memory, where unpacking into tiles only adds work.
+// AMX, 2 threads, VNNI against AMX, ms: 8 rows 55 / 56, 12 rows 77 / 67, 16 rows 91 / 73,
+// 64 rows 370-398 / 232-251. Fewer rows wait on memory, where unpacking into tiles only
+// adds work.
 constexpr int64_t AMX_MIN_ROWS = 12;
 
 struct TileConfig {
