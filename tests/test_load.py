@@ -27,8 +27,9 @@ class FakeState:
     def __init__(self):
         self.reset()
 
-    def reset(self, fail_every: int = 0, usage: bool = True):
+    def reset(self, fail_every: int = 0, usage: bool = True, chunk_s: float = 0.002):
         self.bodies: list[dict] = []
+        self.chunk_s = chunk_s  # between content chunks
         self.fail_every = fail_every  # every n-th request answers 500
         self.usage = usage
         self.finished = 0  # streams sent to the end
@@ -69,7 +70,7 @@ def make_app(state: FakeState):
             base = {"id": "x", "object": kind + (".chunk" if chat else ""), "created": 0, "model": body["model"]}
             try:
                 for _ in range(n):
-                    await asyncio.sleep(0.002)
+                    await asyncio.sleep(state.chunk_s)
                     yield f"data: {json.dumps({**base, 'choices': [choice('tok ')]})}\n\n"
                 last = {**base, "choices": [choice(None, "length")]}
                 yield f"data: {json.dumps(last)}\n\n"
@@ -238,6 +239,9 @@ def test_no_stream_completions(fake, prompt_file, tmp_path):
 
 def test_disconnects_are_counted_apart_from_errors(fake, prompt_file, tmp_path):
     url, state = fake
+    # chunks far enough apart that the server sees a client leave before its stream could
+    # end (at 2 ms a chunk, a busy machine sometimes sent all 20 first)
+    state.reset(chunk_s=0.02)
     out = tmp_path / "load.json"
     run_load(url, "--concurrency", "2", "--requests", "8", "--max-tokens", "20", "--speculative", "auto",
              "--prompts", prompt_file, "--json", str(out), "--disconnect", "0.25")
