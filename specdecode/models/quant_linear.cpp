@@ -403,11 +403,6 @@ struct Q4KX8 : Lanes8 {
     }
   }
 
-  // A group's products as AMX gives them (one tile product of its 32 values), and its scale.
-  static constexpr int HALVES = 1;
-  static constexpr bool SCALED = true;
-  __m256i scale_of(int) const { return scale32; }
-
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
     return _mm256_mullo_epi32(dot32(v, q), scale32);
@@ -703,10 +698,6 @@ struct Q4KPair : Lanes16 {
     }
   }
 
-  static constexpr int HALVES = 1;  // AMX (amx_pair): one tile product a group, then its scale
-  static constexpr bool SCALED = true;
-  __m512i scale_of(int) const { return scale32; }
-
   __m512i dot(const int8_t* q) const {
     __m512i a = _mm512_setzero_si512(), c = _mm512_setzero_si512();
     for (int t = 0; t < 4; ++t) a = _mm512_dpbusd_epi32(a, v[t], broadcast4_512(q + 4 * t));
@@ -751,13 +742,24 @@ struct RowInputs {
   const Q8Row* x;
   int64_t values;  // per block
   const int8_t* at(int64_t m, int64_t b, int g) const { return x[m].q.data() + b * values + 32 * g; }
+  RowInputs from(int64_t m0) const { return {x + m0, values}; }
 };
+// A tile's inputs packed from block b0 on, in one of two layouts (pack_rows): by group,
+// [block - b0][group of 32][row][32], so VNNI's inner loop over rows reads them front to
+// back; or by row, [block - b0][row][values], each row's block one row of an AMX tile.
 struct PackedInputs {
-  const int8_t* packed;  // at row 0 of the chunk: [block - b0][group of 32][row of the tile][32]
-  int64_t tile_rows, b0, groups;  // groups of 32 per block
-  const int8_t* at(int64_t m, int64_t b, int g) const {
-    return packed + (((b - b0) * groups + g) * tile_rows + m) * 32;
+  const int8_t* packed;  // at row 0 of the tile
+  int64_t b0, block_bytes, row_bytes, group_bytes;  // bytes from one block, row, group to the next
+  static PackedInputs by_group(const int8_t* packed, int64_t tile_rows, int64_t b0, int64_t values) {
+    return {packed, b0, tile_rows * values, 32, tile_rows * 32};
   }
+  static PackedInputs by_row(const int8_t* packed, int64_t tile_rows, int64_t b0, int64_t values) {
+    return {packed, b0, tile_rows * values, values, 32};
+  }
+  const int8_t* at(int64_t m, int64_t b, int g) const {
+    return packed + (b - b0) * block_bytes + m * row_bytes + g * group_bytes;
+  }
+  PackedInputs from(int64_t m0) const { return {packed + m0 * row_bytes, b0, block_bytes, row_bytes, group_bytes}; }
 };
 
 // Rows [0, R) of x times one group of eight rows of weights (`base`: its blocks) over
@@ -795,9 +797,7 @@ template <typename Block, typename Inputs>
 void x8_group(const Block& kind, const uint8_t* base, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, Inputs in,
               float* out, int64_t ldo, int64_t prefetch_blocks) {
   for (int64_t m0 = 0; m0 < M; m0 += Block::CHUNK_ROWS) {
-    Inputs chunk = in;
-    if constexpr (std::is_same_v<Inputs, RowInputs>) chunk.x += m0;
-    else chunk.packed += 32 * m0;
+    const Inputs chunk = in.from(m0);
     const Q8Row* xc = x + m0;
     float* oc = out + m0 * ldo;
     switch (std::min(Block::CHUNK_ROWS, M - m0)) {
@@ -878,19 +878,17 @@ void rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_t n1
   }
 }
 
-// The inputs of rows x[0, mt) over blocks [b0, b1) as a long pass reads them (PackedInputs):
-// [block][group of 32][row][32], so that a group's inner loop reads them front to back,
-// from the first level of cache. `stride_rows` (at least mt) rows a group, the ones past mt
-// zero (AMX's tiles read whole tiles of rows).
-void pack_rows(const Q8Row* x, int64_t mt, int64_t values, int64_t b0, int64_t b1, int8_t* packed,
-               int64_t stride_rows = 0) {
-  const int64_t groups = values / 32, stride = std::max(stride_rows, mt);
+// The inputs of rows x[0, mt) over blocks [b0, b1) copied where `to` reads them; rows
+// mt..tile_rows - 1 zero (AMX's tiles read whole tiles of rows).
+void pack_rows(const Q8Row* x, int64_t mt, int64_t tile_rows, int64_t values, int64_t b0, int64_t b1,
+               const PackedInputs& to) {
   for (int64_t b = b0; b < b1; ++b)
-    for (int64_t g = 0; g < groups; ++g) {
-      int8_t* at = packed + ((b - b0) * groups + g) * stride * 32;
-      for (int64_t m = 0; m < mt; ++m) std::memcpy(at + m * 32, x[m].q.data() + b * values + 32 * g, 32);
-      std::memset(at + mt * 32, 0, (stride - mt) * 32);
-    }
+    for (int g = 0; g < values / 32; ++g)
+      for (int64_t m = 0; m < tile_rows; ++m) {
+        int8_t* at = const_cast<int8_t*>(to.at(m, b, g));
+        if (m < mt) std::memcpy(at, x[m].q.data() + b * values + 32 * g, 32);
+        else std::memset(at, 0, 32);
+      }
 }
 
 // A kernel for this many rows: one and two specialized as stored (a decoding step, a short
@@ -911,17 +909,22 @@ void rows_times_any(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_
 
 #ifdef AMX_INT8
 // Passes over several rows on Intel AMX. Two adjacent groups of eight rows of weights are
-// the 16 columns of a tile (Q4KPair's lanes), a group's 32 values its depth: TDPBSUD then
-// multiplies up to 16 rows of inputs by all 16 in one instruction, where VNNI takes eight
-// VPDPBUSD per row. Each column's sum is the exact int32 of the VNNI chain; the sums take the
-// block type's scales in integers and are finished by the eight-row type's fp32 operations,
-// lane for lane, so every row's output is bitwise what the one-row product gives.
+// the 16 columns of a tile (Q4KPair's lanes): TDPBSUD multiplies up to 16 rows of inputs by
+// all 16 in one instruction, where VNNI takes a VPDPBUSD per row and four values. Each
+// column's sum is the exact int32 VNNI's chain gives; the sums take the block type's scales
+// in integers and are finished by the eight-row type's fp32 operations, lane for lane, so
+// every row's output is bitwise what the one-row product gives.
 constexpr int64_t AMX_TILE_ROWS = 16;  // rows of inputs per tile product
-// From 12 rows on: all of Qwen2.5-1.5B's Q4_K_M layer matrices (0.82 GB), Intel Xeon with
-// AMX, 2 threads, VNNI against AMX, ms: 8 rows 55 / 56, 12 rows 77 / 67, 16 rows 91 / 73,
-// 64 rows 370-398 / 232-251. Fewer rows wait on memory, where unpacking into tiles only
-// adds work.
-constexpr int64_t AMX_MIN_ROWS = 12;
+// Fewer rows wait on memory, where unpacking into tiles only adds work. Q4_K (amx_q4k) pays
+// from four rows, the types whose tile products are scaled one by one (amx_pair) from 12:
+// Qwen2.5-1.5B's layer shapes in random blocks (0.78 GB of Q4_K, 0.78 of Q6_K), Intel Xeon
+// with AMX, 2 threads, VNNI against AMX, ms: Q4_K 2 rows 40.0 / 39.8, 4 rows 45.8 / 41.5,
+// 8 rows 49.3 / 46.4, 16 rows 82.4 / 56.3, 64 rows 279 / 148; Q6_K 8 rows 54.6 / 72.0,
+// 12 rows 77.6 / 77.3, 16 rows 90.5 / 86.4. One row: 34.5-37.4 either.
+template <typename Block>
+constexpr int64_t amx_min_rows() {
+  return std::is_same_v<Block, Q4KX8> ? 4 : 12;
+}
 
 struct TileConfig {
   uint8_t palette_id;
@@ -931,33 +934,31 @@ struct TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles 0-1: C (rows x 16 int32), 2-3: A (rows x the bytes of a product), 4-5: B (a
-// product's bytes / 4 x 16 columns x 4); the second of each for a type's second half.
-template <typename Block>
-void amx_configure(int rows) {
-  constexpr int bytes = 32 / Block::HALVES;
+// Tiles 0-1: C (rows x 16 int32); 2-3: A (rows x `depth` bytes of inputs); 4-7: B (depth / 4
+// rows x 16 columns x 4 bytes of weights). Two of each, so one product's loads overlap
+// the previous product.
+void amx_configure(int rows, int depth) {
   TileConfig cfg{};
   cfg.palette_id = 1;
   for (int t = 0; t < 2; ++t) {
     cfg.rows[t] = rows; cfg.colsb[t] = 64;
-    cfg.rows[2 + t] = rows; cfg.colsb[2 + t] = bytes;
-    cfg.rows[4 + t] = bytes / 4; cfg.colsb[4 + t] = 64;
+    cfg.rows[2 + t] = rows; cfg.colsb[2 + t] = depth;
   }
+  for (int t = 4; t < 8; ++t) { cfg.rows[t] = depth / 4; cfg.colsb[t] = 64; }
   // GCC 12 may not count LDTILECFG as reading the whole struct and drop some of its stores
   // (an invalid configuration then faults, as it did here); the barrier keeps them
   asm volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
-// Rows in a packed group of inputs for a pass of M rows: M where one tile takes them all,
+// Rows in a packed tile of inputs for a pass of M rows: M where one tile takes them all,
 // else whole tiles of 16 (the rows past M zero).
 inline int64_t amx_stride_rows(int64_t M) {
   return M <= AMX_TILE_ROWS ? M : (M + AMX_TILE_ROWS - 1) / AMX_TILE_ROWS * AMX_TILE_ROWS;
 }
 
-// Two adjacent groups of eight rows of weights as one of sixteen, for amx_pair: Q4KPair for
-// Q4_K (its own 512-bit finish), else each group's block type side by side, each half
-// finished by its own type.
+// Two adjacent groups of eight rows of weights as one of sixteen, for amx_pair: each
+// group's block type side by side, each half finished by its own type.
 template <typename Block>
 struct TwoGroups {
   static constexpr int64_t BYTES = Block::BYTES, GROUPS = Block::GROUPS;
@@ -992,13 +993,11 @@ struct TwoGroups {
   }
 };
 
-template <typename Block>
-using PairOf = std::conditional_t<std::is_same_v<Block, Q4KX8>, Q4KPair, TwoGroups<Block>>;
-
-// Rows [0, M) of x (M <= TILE_ROWS; inputs packed `in.tile_rows` a group) times a pair of
-// groups of weights (`w`: the first group's blocks, pair.stride to the second's) over
-// blocks [b0, b1), into out[m * ldo + r] for the 16 rows r, carrying the lanes across
-// ranges of blocks as x8_group_rows does. The tiles are configured for min(M, 16) rows.
+// Rows [0, M) of x (M <= TILE_ROWS; inputs packed by row) times a pair of groups of weights
+// (`w`: the first group's blocks, pair.stride to the second's) over blocks [b0, b1), into
+// out[m * ldo + r] for the 16 rows r, carrying the lanes across ranges of blocks as
+// x8_group_rows does. A tile product per group of 32 values (two for types scaled by 16),
+// each stored and scaled on its own. Tiles configured for min(M, 16) rows, 32 / HALVES deep.
 template <typename Pair>
 void amx_pair(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, PackedInputs in,
               float* out, int64_t ldo, int64_t prefetch_blocks) {
@@ -1010,6 +1009,7 @@ void amx_pair(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row* 
   __m512i scale[G][H];
   __m512 acc[TILE_ROWS];
   __m512i sum[TILE_ROWS];
+  const int64_t stride = in.row_bytes;
   for (int64_t m = 0; m < M; ++m) acc[m] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * ldo);
   for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* p = w + blk * Pair::BYTES;
@@ -1025,15 +1025,15 @@ void amx_pair(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row* 
       for (int g = 0; g < G; ++g) {
         const int8_t* q = in.at(m0, blk, g);
         if constexpr (H == 2) {
-          _tile_loadd(2, q, 32); _tile_loadd(4, weights[g], 64);
-          _tile_loadd(3, q + 16, 32); _tile_loadd(5, weights[g] + 4 * 64, 64);
+          _tile_loadd(2, q, stride); _tile_loadd(4, weights[g], 64);
+          _tile_loadd(3, q + 16, stride); _tile_loadd(5, weights[g] + 4 * 64, 64);
           _tile_zero(0); _tile_dpbsud(0, 2, 4); _tile_stored(0, c[g][0], 64);
           _tile_zero(1); _tile_dpbsud(1, 3, 5); _tile_stored(1, c[g][1], 64);
         } else if (g % 2 == 0) {  // alternate tiles: consecutive groups' products overlap
-          _tile_loadd(2, q, 32); _tile_loadd(4, weights[g], 64);
+          _tile_loadd(2, q, stride); _tile_loadd(4, weights[g], 64);
           _tile_zero(0); _tile_dpbsud(0, 2, 4); _tile_stored(0, c[g][0], 64);
         } else {
-          _tile_loadd(3, q, 32); _tile_loadd(5, weights[g], 64);
+          _tile_loadd(3, q, stride); _tile_loadd(5, weights[g], 64);
           _tile_zero(1); _tile_dpbsud(1, 3, 5); _tile_stored(1, c[g][0], 64);
         }
       }
@@ -1053,33 +1053,119 @@ void amx_pair(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row* 
   for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
 }
 
+// The types whose scales go into the weights (amx_scaled): each value q of a pair's group
+// g times its scale s as two bytes, `low` (unsigned) and `high` (signed), the B tiles of its
+// 32 values, with q s = low + high << HIGH_SHIFT.
+//
+// Q4_K: 6-bit scales, s = l + 16 h (l < 16, h < 4): q l <= 225 and q h <= 45. A VPMULLW
+// makes both bytes of a 16-bit lane at once (neither product carries into the other).
+inline void scaled_bytes(const Q4KPair& pair, uint8_t* low, uint8_t* high) {
+  const __m512i s = _mm512_or_si512(pair.scale32, _mm512_slli_epi32(pair.scale32, 16));  // (s, s) per column
+  const __m512i l = _mm512_and_si512(s, _mm512_set1_epi16(0xF)), h = _mm512_srli_epi16(s, 4);
+  for (int t = 0; t < 8; ++t) {
+    _mm512_store_si512(low + 64 * t, _mm512_mullo_epi16(pair.v[t], l));
+    _mm512_store_si512(high + 64 * t, _mm512_mullo_epi16(pair.v[t], h));
+  }
+}
+constexpr int high_shift(const Q4KPair*) { return 4; }
+
+// Q6_K: int8 scales per 16 values, q < 64: q s fits 16 bits, split into its low byte and
+// its (signed) high byte, for even and odd bytes apart.
+inline void scaled_bytes(const TwoGroups<Q6KX8>& pair, uint8_t* low, uint8_t* high) {
+  const __m512i byte = _mm512_set1_epi16(0xFF);
+  for (int half = 0; half < 2; ++half) {
+    const __m512i s32 = pair.scale_of(half);
+    const __m512i s = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
+    for (int t = 4 * half; t < 4 * half + 4; ++t) {
+      const __m512i even = _mm512_mullo_epi16(_mm512_and_si512(pair.v[t], byte), s);
+      const __m512i odd = _mm512_mullo_epi16(_mm512_srli_epi16(pair.v[t], 8), s);
+      _mm512_store_si512(low + 64 * t, _mm512_or_si512(_mm512_and_si512(even, byte), _mm512_slli_epi16(odd, 8)));
+      _mm512_store_si512(high + 64 * t, _mm512_or_si512(_mm512_srli_epi16(even, 8), _mm512_andnot_si512(byte, odd)));
+    }
+  }
+}
+constexpr int high_shift(const TwoGroups<Q6KX8>*) { return 8; }
+
+// amx_pair for the types whose scales go into the weights (scaled_bytes): a block's 256
+// values are four tile products of 64 (two groups), accumulated in two tiles (the low and
+// the high bytes) and stored once per block, instead of a product stored and scaled per group.
+// C_low + C_high << HIGH_SHIFT is the integer VNNI's chain gives.
+template <typename Pair>
+void amx_scaled(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, PackedInputs in,
+                float* out, int64_t ldo, int64_t prefetch_blocks) {
+  constexpr int STEPS = QK_K / 64, HIGH_SHIFT = high_shift(static_cast<const Pair*>(nullptr));
+  alignas(64) uint8_t low[STEPS][16 * 64], high[STEPS][16 * 64];  // B tiles: row t, values 4t..4t + 3
+  alignas(64) int32_t c[2][AMX_TILE_ROWS * 16];
+  __m512 acc[TILE_ROWS];
+  __m512i sum[TILE_ROWS];
+  const int64_t stride = in.row_bytes;
+  for (int64_t m = 0; m < M; ++m) acc[m] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * ldo);
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const uint8_t* p = w + blk * Pair::BYTES;
+    pair.prefetch(p + prefetch_blocks * Pair::BYTES);
+    pair.load(p);
+    for (int g = 0; g < Pair::GROUPS; ++g) {
+      pair.unpack(g);
+      scaled_bytes(pair, low[g / 2] + (g % 2) * 8 * 64, high[g / 2] + (g % 2) * 8 * 64);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_TILE_ROWS) {
+      _tile_zero(0);
+      _tile_zero(1);
+      for (int j = 0; j < STEPS; j += 2) {  // alternate tiles: a step's loads overlap the last products
+        const int8_t* q = in.at(m0, blk, 2 * j);
+        _tile_loadd(2, q, stride); _tile_loadd(4, low[j], 64); _tile_loadd(5, high[j], 64);
+        _tile_dpbsud(0, 2, 4); _tile_dpbssd(1, 2, 5);
+        _tile_loadd(3, q + 64, stride); _tile_loadd(6, low[j + 1], 64); _tile_loadd(7, high[j + 1], 64);
+        _tile_dpbsud(0, 3, 6); _tile_dpbssd(1, 3, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      const int64_t rows = std::min(AMX_TILE_ROWS, M - m0);
+      for (int64_t r = 0; r < rows; ++r)
+        sum[m0 + r] = _mm512_add_epi32(_mm512_load_si512(c[0] + 16 * r),
+                                       _mm512_slli_epi32(_mm512_load_si512(c[1] + 16 * r), HIGH_SHIFT));
+    }
+    pair.finish_rows(x, blk, sum, acc, M);
+  }
+  for (int64_t m = 0; m < M; ++m) _mm512_storeu_ps(out + m * ldo, acc[m]);
+}
+
 // Groups [g0, g1) of eight rows of weights times rows [0, M) over blocks [b0, b1), as
 // x8_groups: pairs of groups on AMX, an odd last group on VNNI (the same output).
 template <typename Block>
 void amx_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t b0, int64_t b1, const Q8Row* x,
                 int64_t M, PackedInputs in, float* out, int64_t ldo, int64_t prefetch_blocks) {
   const int64_t group_bytes = blocks * Block::BYTES;
+  const int rows = static_cast<int>(std::min(M, AMX_TILE_ROWS));
   int64_t group = g0;
   if (group + 1 < g1) {
-    PairOf<Block> pair;
-    pair.stride = group_bytes;
-    amx_configure<PairOf<Block>>(static_cast<int>(std::min(M, AMX_TILE_ROWS)));
-    for (; group + 1 < g1; group += 2)
-      amx_pair(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
+    if constexpr (std::is_same_v<Block, Q4KX8> || std::is_same_v<Block, Q6KX8>) {
+      std::conditional_t<std::is_same_v<Block, Q4KX8>, Q4KPair, TwoGroups<Block>> pair;
+      pair.stride = group_bytes;
+      amx_configure(rows, 64);
+      for (; group + 1 < g1; group += 2)
+        amx_scaled(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
+    } else {
+      TwoGroups<Block> pair;
+      pair.stride = group_bytes;
+      amx_configure(rows, 32 / Block::HALVES);
+      for (; group + 1 < g1; group += 2)
+        amx_pair(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
+    }
     _tile_release();
   }
   for (; group < g1; ++group)
     x8_group(Block{}, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
 }
 
-// A repacked part times rows x (AMX_MIN_ROWS <= M < TILE_ROWS / 2): the rows' inputs packed
+// A repacked part times rows x (amx_min_rows <= M < TILE_ROWS / 2): the rows' inputs packed
 // once, pairs of groups split between the threads.
 template <typename Block>
 void amx_part(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* out, int64_t ldo) {
   const int64_t M = x.count, stride = amx_stride_rows(M);
   std::vector<int8_t> packed(stride * blocks * Block::VALUES);
-  pack_rows(x.data(), M, Block::VALUES, 0, blocks, packed.data(), stride);
-  const PackedInputs in{packed.data(), stride, 0, Block::GROUPS};
+  const PackedInputs in = PackedInputs::by_row(packed.data(), stride, 0, Block::VALUES);
+  pack_rows(x.data(), M, stride, Block::VALUES, 0, blocks, in);
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     amx_groups<Block>(w, blocks, 2 * p0, std::min(groups, 2 * p1), 0, blocks, x.data(), M, in, out, ldo,
                       PREFETCH_X8_ROWS);
@@ -1104,17 +1190,17 @@ void x8_tiled(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* o
       const int64_t b1 = std::min(blocks, b0 + tile_blocks);
 #ifdef AMX_INT8
       const int64_t stride = amx_stride_rows(mt);
-      pack_rows(x.data() + m0, mt, Block::VALUES, b0, b1, packed.data(), stride);
+      const PackedInputs in = PackedInputs::by_row(packed.data(), stride, b0, Block::VALUES);
+      pack_rows(x.data() + m0, mt, stride, Block::VALUES, b0, b1, in);
       at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
-        amx_groups<Block>(w, blocks, 2 * p0, std::min(groups, 2 * p1), b0, b1, x.data() + m0, mt,
-                          PackedInputs{packed.data(), stride, b0, Block::GROUPS}, out + m0 * ldo, ldo, 1);
+        amx_groups<Block>(w, blocks, 2 * p0, std::min(groups, 2 * p1), b0, b1, x.data() + m0, mt, in,
+                          out + m0 * ldo, ldo, 1);
       });
 #else
-      pack_rows(x.data() + m0, mt, Block::VALUES, b0, b1, packed.data());
+      const PackedInputs in = PackedInputs::by_group(packed.data(), mt, b0, Block::VALUES);
+      pack_rows(x.data() + m0, mt, mt, Block::VALUES, b0, b1, in);
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-        x8_groups<Block>(w, blocks, g0, g1, b0, b1, x.data() + m0, mt,
-                         PackedInputs{packed.data(), mt, b0, Block::GROUPS},
-                         out + m0 * ldo, ldo, 1);
+        x8_groups<Block>(w, blocks, g0, g1, b0, b1, x.data() + m0, mt, in, out + m0 * ldo, ldo, 1);
       });
 #endif
     }
@@ -1148,7 +1234,7 @@ template <typename Block>
 void x8_part(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* out, int64_t ldo) {
   if (x.count >= TILE_ROWS / 2) return x8_tiled<Block>(w, blocks, groups, x, out, ldo);
 #ifdef AMX_INT8
-  if (x.count >= AMX_MIN_ROWS) return amx_part<Block>(w, blocks, groups, x, out, ldo);
+  if (x.count >= amx_min_rows<Block>()) return amx_part<Block>(w, blocks, groups, x, out, ldo);
 #endif
   at::parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     rows_times_any<Block, true>(w, blocks, x, g0, g1, out, ldo);
