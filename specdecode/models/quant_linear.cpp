@@ -465,11 +465,6 @@ struct Q6KX8 : Lanes8 {
     }
   }
 
-  // AMX: a tile product per half of the group (16 values), each half with its scale.
-  static constexpr int HALVES = 2;
-  static constexpr bool SCALED = true;
-  __m256i scale_of(int half) const { return half == 0 ? first32 : second32; }
-
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
     __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
@@ -535,9 +530,6 @@ struct Q80X8 : Lanes8 {
     }
   }
 
-  static constexpr int HALVES = 1;  // AMX: one tile product, no scale before finish
-  static constexpr bool SCALED = false;
-  __m256i scale_of(int) const { return _mm256_set1_epi32(1); }
 
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
@@ -596,9 +588,6 @@ struct Q50X8 : Lanes8 {
     v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(high, 3), fifth));
   }
 
-  static constexpr int HALVES = 1;  // AMX: one tile product, no scale before finish
-  static constexpr bool SCALED = false;
-  __m256i scale_of(int) const { return _mm256_set1_epi32(1); }
 
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
@@ -734,6 +723,74 @@ struct Q4KPair : Lanes16 {
   }
 };
 
+
+// Q6KX8's two groups side by side, as Q4KPair is Q4KX8's. On AMD EPYC Zen 4 it gained
+// nothing (above); on Intel Xeon, whose 512-bit units are whole, eight rows' pass over
+// Qwen2.5-1.5B's layer shapes (0.78 GB of Q6_K, 2 threads) took 53.5 ms in eight-row
+// groups, 52.7 ms in pairs; the AMX build takes pairs, and amx_scaled unpacks with them (10-15%
+// faster than two eight-row groups from 12 rows on).
+struct Q6KPair : Lanes16 {
+  static constexpr int64_t BYTES = Q6_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;
+  int64_t stride = 0;  // bytes from a block of the first group to the second's
+  const uint8_t* blk;
+  __m512 d;
+  __m512i v[8], first32, second32;
+
+  void prefetch(const uint8_t* b) const {
+    prefetch_block(b, BYTES);
+    prefetch_block(b + stride, BYTES);
+  }
+
+  void load(const uint8_t* b) {
+    blk = b;
+    d = load_two_ps(b, b + stride);
+  }
+
+  __m512i scales(int g) const {  // per row, (first half's, second half's) as int16
+    return _mm512_cvtepi8_epi16(load_two16(blk + 32 + 16 * g, blk + stride + 32 + 16 * g));
+  }
+
+  void unpack(int g) {
+    const __m512i pair = scales(g);
+    first32 = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
+    second32 = _mm512_srai_epi32(pair, 16);
+    const __m512i low = _mm512_set1_epi8(0xF), top = _mm512_set1_epi8(0x30);
+    for (int half = 0; half < 2; ++half) {
+      const int64_t at0 = 160 + 32 * (4 * g + 2 * half), at1 = at0 + 32, at_high = 1184 + 64 * g + 32 * half;
+      const __m512i raw0 = load_two32(blk + at0, blk + stride + at0);
+      const __m512i raw1 = load_two32(blk + at1, blk + stride + at1);
+      const __m512i high = load_two32(blk + at_high, blk + stride + at_high);
+      v[4 * half + 0] = _mm512_or_si512(_mm512_and_si512(raw0, low), _mm512_and_si512(_mm512_slli_epi16(high, 4), top));
+      v[4 * half + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw0, 4), low),
+                                        _mm512_and_si512(_mm512_slli_epi16(high, 2), top));
+      v[4 * half + 2] = _mm512_or_si512(_mm512_and_si512(raw1, low), _mm512_and_si512(high, top));
+      v[4 * half + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw1, 4), low),
+                                        _mm512_and_si512(_mm512_srli_epi16(high, 2), top));
+    }
+  }
+
+  __m512i dot(const int8_t* q) const {
+    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+    for (int t = 0; t < 4; ++t) lo = _mm512_dpbusd_epi32(lo, v[t], broadcast4_512(q + 4 * t));
+    for (int t = 4; t < 8; ++t) hi = _mm512_dpbusd_epi32(hi, v[t], broadcast4_512(q + 4 * t));
+    return _mm512_add_epi32(_mm512_mullo_epi32(lo, first32), _mm512_mullo_epi32(hi, second32));
+  }
+
+  void finish(const Q8Row& x, int64_t b, __m512i sum, __m512& acc) const { finish_rows(&x, b, &sum, &acc, 1); }
+
+  // Q6KX8's finish for rows [0, M) of a block, its scales decoded once for all.
+  void finish_rows(const Q8Row* x, int64_t b, const __m512i* sum, __m512* acc, int64_t M) const {
+    __m512i pairs[8];
+    for (int g = 0; g < 8; ++g) pairs[g] = scales(g);
+    for (int64_t m = 0; m < M; ++m) {
+      const int16_t* s16 = x[m].sums16.data() + b * 16;
+      __m512i offset = _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) offset = _mm512_add_epi32(offset, _mm512_madd_epi16(pairs[g], broadcast_pair_512(s16 + 2 * g)));
+      const __m512i total = _mm512_sub_epi32(sum[m], _mm512_slli_epi32(offset, 5));
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(x[m].d[b])), _mm512_cvtepi32_ps(total), acc[m]);
+    }
+  }
+};
 #endif
 
 // Where a row's 32 inputs of group g of block b lie: in the row itself, or in a tile's
@@ -833,6 +890,16 @@ void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t
     }
   }
 #endif
+#if defined(GROUP_PAIRS) && defined(__AMX_INT8__)
+  if constexpr (std::is_same_v<Block, Q6KX8>) {
+    if (M >= PAIR_MIN_ROWS) {
+      Q6KPair pair;
+      pair.stride = group_bytes;
+      for (; group + 1 < g1; group += 2)
+        x8_group(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
+    }
+  }
+#endif
   for (; group < g1; ++group)
     x8_group(Block{}, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
 }
@@ -915,15 +982,16 @@ void rows_times_any(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_
 // in integers and are finished by the eight-row type's fp32 operations, lane for lane, so
 // every row's output is bitwise what the one-row product gives.
 constexpr int64_t AMX_TILE_ROWS = 16;  // rows of inputs per tile product
-// Fewer rows wait on memory, where unpacking into tiles only adds work. Q4_K (amx_q4k) pays
-// from four rows, the types whose tile products are scaled one by one (amx_pair) from 12:
-// Qwen2.5-1.5B's layer shapes in random blocks (0.78 GB of Q4_K, 0.78 of Q6_K), Intel Xeon
-// with AMX, 2 threads, VNNI against AMX, ms: Q4_K 2 rows 40.0 / 39.8, 4 rows 45.8 / 41.5,
-// 8 rows 49.3 / 46.4, 16 rows 82.4 / 56.3, 64 rows 279 / 148; Q6_K 8 rows 54.6 / 72.0,
-// 12 rows 77.6 / 77.3, 16 rows 90.5 / 86.4. One row: 34.5-37.4 either.
+// Fewer rows wait on memory, where unpacking into tiles only adds work. With their scales in
+// the weights (amx_scaled) Q4_K pays from four rows and Q6_K from ten, the types whose tile
+// products are scaled one by one (amx_pair) from 12. Qwen2.5-1.5B's layer shapes in random
+// blocks (0.78 GB of Q4_K, 0.78 of Q6_K), Intel Xeon with AMX, 2 threads, VNNI against AMX,
+// ms: Q4_K 2 rows 40.0 / 39.8, 4 rows 45.8 / 41.5, 8 rows 49.3 / 46.4, 16 rows 82.4 / 56.3,
+// 64 rows 279 / 148; Q6_K 4 rows 46.6 / 50.0, 8 rows 52.7 / 53.9, 10 rows 67.7 / 55.1,
+// 16 rows 90.1 / 63.6, 64 rows 324 / 155. One row: 34.5-37.4 either.
 template <typename Block>
 constexpr int64_t amx_min_rows() {
-  return std::is_same_v<Block, Q4KX8> ? 4 : 12;
+  return std::is_same_v<Block, Q4KX8> ? 4 : std::is_same_v<Block, Q6KX8> ? 10 : 12;
 }
 
 struct TileConfig {
@@ -961,9 +1029,7 @@ inline int64_t amx_stride_rows(int64_t M) {
 // group's block type side by side, each half finished by its own type.
 template <typename Block>
 struct TwoGroups {
-  static constexpr int64_t BYTES = Block::BYTES, GROUPS = Block::GROUPS;
-  static constexpr int HALVES = Block::HALVES;
-  static constexpr bool SCALED = Block::SCALED;
+  static constexpr int64_t BYTES = Block::BYTES;
   int64_t stride = 0;  // bytes from a block of the first group to the second's
   Block a{}, b{};
   __m512i v[8];
@@ -981,7 +1047,6 @@ struct TwoGroups {
     b.unpack(g);
     for (int t = 0; t < 8; ++t) v[t] = _mm512_inserti64x4(_mm512_castsi256_si512(a.v[t]), b.v[t], 1);
   }
-  __m512i scale_of(int h) const { return _mm512_inserti64x4(_mm512_castsi256_si512(a.scale_of(h)), b.scale_of(h), 1); }
   void finish(const Q8Row& x, int64_t blk, __m512i sum, __m512& acc) const {
     __m256 lo = _mm512_castps512_ps256(acc), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1));
     a.finish(x, blk, _mm512_castsi512_si256(sum), lo);
@@ -994,59 +1059,31 @@ struct TwoGroups {
 };
 
 // Rows [0, M) of x (M <= TILE_ROWS; inputs packed by row) times a pair of groups of weights
-// (`w`: the first group's blocks, pair.stride to the second's) over blocks [b0, b1), into
-// out[m * ldo + r] for the 16 rows r, carrying the lanes across ranges of blocks as
-// x8_group_rows does. A tile product per group of 32 values (two for types scaled by 16),
-// each stored and scaled on its own. Tiles configured for min(M, 16) rows, 32 / HALVES deep.
+// of a type of 32 values a block, finished unscaled (Q8_0, Q5_0; `w`: the first group's
+// blocks, pair.stride to the second's) over blocks [b0, b1), into out[m * ldo + r] for the
+// 16 rows r, carrying the lanes across ranges of blocks as x8_group_rows does: one tile
+// product a block. Tiles configured for min(M, 16) rows, 32 deep.
 template <typename Pair>
 void amx_pair(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, PackedInputs in,
               float* out, int64_t ldo, int64_t prefetch_blocks) {
-  constexpr int G = Pair::GROUPS, H = Pair::HALVES;
-  // A block's groups unpacked first, then their tile products, then the sums: the products
-  // of one group need not wait for the previous group's sums.
-  alignas(64) uint8_t weights[G][8 * 64];  // B: row t, values 4t..4t + 3 of the 16 rows of weights
-  alignas(64) int32_t c[G][H][AMX_TILE_ROWS * 16];
-  __m512i scale[G][H];
+  alignas(64) uint8_t weights[8 * 64];  // B: row t, values 4t..4t + 3 of the 16 rows of weights
+  alignas(64) int32_t c[AMX_TILE_ROWS * 16];
   __m512 acc[TILE_ROWS];
   __m512i sum[TILE_ROWS];
-  const int64_t stride = in.row_bytes;
   for (int64_t m = 0; m < M; ++m) acc[m] = b0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + m * ldo);
   for (int64_t blk = b0; blk < b1; ++blk) {
     const uint8_t* p = w + blk * Pair::BYTES;
     pair.prefetch(p + prefetch_blocks * Pair::BYTES);
     pair.load(p);
-    for (int g = 0; g < G; ++g) {
-      pair.unpack(g);
-      for (int t = 0; t < 8; ++t) _mm512_store_si512(weights[g] + 64 * t, pair.v[t]);
-      for (int h = 0; h < H; ++h) scale[g][h] = pair.scale_of(h);
-    }
-    for (int64_t m = 0; m < M; ++m) sum[m] = _mm512_setzero_si512();
+    pair.unpack(0);
+    for (int t = 0; t < 8; ++t) _mm512_store_si512(weights + 64 * t, pair.v[t]);
     for (int64_t m0 = 0; m0 < M; m0 += AMX_TILE_ROWS) {
-      for (int g = 0; g < G; ++g) {
-        const int8_t* q = in.at(m0, blk, g);
-        if constexpr (H == 2) {
-          _tile_loadd(2, q, stride); _tile_loadd(4, weights[g], 64);
-          _tile_loadd(3, q + 16, stride); _tile_loadd(5, weights[g] + 4 * 64, 64);
-          _tile_zero(0); _tile_dpbsud(0, 2, 4); _tile_stored(0, c[g][0], 64);
-          _tile_zero(1); _tile_dpbsud(1, 3, 5); _tile_stored(1, c[g][1], 64);
-        } else if (g % 2 == 0) {  // alternate tiles: consecutive groups' products overlap
-          _tile_loadd(2, q, stride); _tile_loadd(4, weights[g], 64);
-          _tile_zero(0); _tile_dpbsud(0, 2, 4); _tile_stored(0, c[g][0], 64);
-        } else {
-          _tile_loadd(3, q, stride); _tile_loadd(5, weights[g], 64);
-          _tile_zero(1); _tile_dpbsud(1, 3, 5); _tile_stored(1, c[g][0], 64);
-        }
-      }
-      const int64_t rows = std::min(AMX_TILE_ROWS, M - m0);
-      for (int64_t r = 0; r < rows; ++r) {
-        __m512i total = sum[m0 + r];
-        for (int g = 0; g < G; ++g)
-          for (int h = 0; h < H; ++h) {
-            const __m512i product = _mm512_load_si512(c[g][h] + 16 * r);
-            total = _mm512_add_epi32(total, Pair::SCALED ? _mm512_mullo_epi32(product, scale[g][h]) : product);
-          }
-        sum[m0 + r] = total;
-      }
+      _tile_loadd(2, in.at(m0, blk, 0), in.row_bytes);
+      _tile_loadd(4, weights, 64);
+      _tile_zero(0);
+      _tile_dpbsud(0, 2, 4);
+      _tile_stored(0, c, 64);
+      for (int64_t r = 0; r < std::min(AMX_TILE_ROWS, M - m0); ++r) sum[m0 + r] = _mm512_load_si512(c + 16 * r);
     }
     pair.finish_rows(x, blk, sum, acc, M);
   }
@@ -1071,10 +1108,10 @@ constexpr int high_shift(const Q4KPair*) { return 4; }
 
 // Q6_K: int8 scales per 16 values, q < 64: q s fits 16 bits, split into its low byte and
 // its (signed) high byte, for even and odd bytes apart.
-inline void scaled_bytes(const TwoGroups<Q6KX8>& pair, uint8_t* low, uint8_t* high) {
+inline void scaled_bytes(const Q6KPair& pair, uint8_t* low, uint8_t* high) {
   const __m512i byte = _mm512_set1_epi16(0xFF);
   for (int half = 0; half < 2; ++half) {
-    const __m512i s32 = pair.scale_of(half);
+    const __m512i s32 = half == 0 ? pair.first32 : pair.second32;
     const __m512i s = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
     for (int t = 4 * half; t < 4 * half + 4; ++t) {
       const __m512i even = _mm512_mullo_epi16(_mm512_and_si512(pair.v[t], byte), s);
@@ -1084,7 +1121,7 @@ inline void scaled_bytes(const TwoGroups<Q6KX8>& pair, uint8_t* low, uint8_t* hi
     }
   }
 }
-constexpr int high_shift(const TwoGroups<Q6KX8>*) { return 8; }
+constexpr int high_shift(const Q6KPair*) { return 8; }
 
 // amx_pair for the types whose scales go into the weights (scaled_bytes): a block's 256
 // values are four tile products of 64 (two groups), accumulated in two tiles (the low and
@@ -1140,7 +1177,7 @@ void amx_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_
   int64_t group = g0;
   if (group + 1 < g1) {
     if constexpr (std::is_same_v<Block, Q4KX8> || std::is_same_v<Block, Q6KX8>) {
-      std::conditional_t<std::is_same_v<Block, Q4KX8>, Q4KPair, TwoGroups<Block>> pair;
+      std::conditional_t<std::is_same_v<Block, Q4KX8>, Q4KPair, Q6KPair> pair;
       pair.stride = group_bytes;
       amx_configure(rows, 64);
       for (; group + 1 < g1; group += 2)
@@ -1148,7 +1185,8 @@ void amx_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_
     } else {
       TwoGroups<Block> pair;
       pair.stride = group_bytes;
-      amx_configure(rows, 32 / Block::HALVES);
+      static_assert(Block::GROUPS == 1, "amx_pair: one group of 32 values a block");
+      amx_configure(rows, 32);
       for (; group + 1 < g1; group += 2)
         amx_pair(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
     }
