@@ -18,6 +18,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "bindings.h"
 #include "kernels.h"
 #include "simd_math.h"
@@ -36,24 +37,12 @@ constexpr int64_t PREFETCH_AHEAD = 4096;
 constexpr int64_t SPLIT_K_BELOW_GROUPS = 16;  // see linear()
 
 
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 void configure(int rows) {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 4; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }  // C: rows x 16 fp32
-  cfg.rows[4] = rows; cfg.colsb[4] = 64;                                   // A: rows x 32 bf16
-  for (int t = 5; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }    // B: 16 x (16 outputs x 2)
-  // GCC 12 may not count LDTILECFG as reading the whole struct and drop some of its stores
-  // (an invalid configuration then faults); the barrier keeps them
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) cfg.tile(t, rows, 64);  // C: rows x 16 fp32
+  cfg.tile(4, rows, 64);                               // A: rows x 32 bf16
+  for (int t = 5; t < 8; ++t) cfg.tile(t, 16, 64);     // B: 16 x (16 outputs x 2)
+  cfg.load();
 }
 
 // One group of 64 outputs for rows [m0, m0 + rows): C tiles accumulate over all of K in order.

@@ -49,7 +49,8 @@ SOURCES = {
                                  "decoder_layer.cpp", "quant_linear.cpp")],
 }
 HEADERS = {  # part of the build's key, not compiled alone
-    "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h"],
+    "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h",
+            _HERE / "amx_tiles.h"],
     "avx512": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h",
                _HERE / "tile_prefetch.h"],
     "avx2": [_HERE / "avx2_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h",

@@ -36,6 +36,7 @@
 // ones, each output the exact int32 sum VPDPBUSD's chain gives (see amx_pair).
 #if defined(VNNI) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define AMX_INT8 1
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -994,29 +995,14 @@ constexpr int64_t amx_min_rows() {
   return std::is_same_v<Block, Q4KX8> ? 4 : std::is_same_v<Block, Q6KX8> ? 10 : 12;
 }
 
-struct TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // Tiles 0-1: C (rows x 16 int32); 2-3: A (rows x `depth` bytes of inputs); 4-7: B (depth / 4
 // rows x 16 columns x 4 bytes of weights). Two of each, so one product's loads overlap
 // the previous product.
 void amx_configure(int rows, int depth) {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 2; ++t) {
-    cfg.rows[t] = rows; cfg.colsb[t] = 64;
-    cfg.rows[2 + t] = rows; cfg.colsb[2 + t] = depth;
-  }
-  for (int t = 4; t < 8; ++t) { cfg.rows[t] = depth / 4; cfg.colsb[t] = 64; }
-  // GCC 12 may not count LDTILECFG as reading the whole struct and drop some of its stores
-  // (an invalid configuration then faults, as it did here); the barrier keeps them
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  TileConfig cfg;
+  for (int t = 0; t < 2; ++t) cfg.tile(t, rows, 64).tile(2 + t, rows, depth);
+  for (int t = 4; t < 8; ++t) cfg.tile(t, depth / 4, 64);
+  cfg.load();
 }
 
 // Rows in a packed tile of inputs for a pass of M rows: M where one tile takes them all,
