@@ -13,7 +13,7 @@
 // eight fp32 lanes in block order, then summed across lanes. So every output is the same sequence of operations whatever the
 // number of rows: a verify pass gives each token bitwise the output of a one-token pass.
 // With AMX, passes over many rows take each block's integer sums from tile products
-// instead (amx_pair): the same integers, finished by the same operations.
+// instead (amx_scaled, amx_pair): the same integers, finished by the same operations.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,8 +32,8 @@
 #define VNNI 1
 #endif
 
-// AMX's TDPBSUD multiplies a tile of up to 16 rows' signed bytes by 16 columns of unsigned
-// ones, each output the exact int32 sum VPDPBUSD's chain gives (see amx_pair).
+// AMX's TDPBSUD (TDPBSSD) multiplies a tile of up to 16 rows' signed bytes by 16 columns of
+// unsigned (signed) ones, each output an exact int32 sum (see amx_scaled, amx_pair).
 #if defined(VNNI) && defined(__AMX_INT8__) && defined(__AMX_TILE__)
 #define AMX_INT8 1
 #include "amx_tiles.h"
@@ -531,7 +531,6 @@ struct Q80X8 : Lanes8 {
     }
   }
 
-
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
     return dot32(v, q);
@@ -588,7 +587,6 @@ struct Q50X8 : Lanes8 {
     v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(high, 2), fifth));
     v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(high, 3), fifth));
   }
-
 
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
@@ -723,7 +721,6 @@ struct Q4KPair : Lanes16 {
     }
   }
 };
-
 
 // Q6KX8's two groups side by side, as Q4KPair is Q4KX8's. On AMD EPYC Zen 4 it gained
 // nothing (above); on Intel Xeon, whose 512-bit units are whole, eight rows' pass over
@@ -1090,7 +1087,6 @@ inline void scaled_bytes(const Q4KPair& pair, uint8_t* low, uint8_t* high) {
     _mm512_store_si512(high + 64 * t, _mm512_mullo_epi16(pair.v[t], h));
   }
 }
-constexpr int high_shift(const Q4KPair*) { return 4; }
 
 // Q6_K: int8 scales per 16 values, q < 64: q s fits 16 bits, split into its low byte and
 // its (signed) high byte, for even and odd bytes apart.
@@ -1107,7 +1103,10 @@ inline void scaled_bytes(const Q6KPair& pair, uint8_t* low, uint8_t* high) {
     }
   }
 }
-constexpr int high_shift(const Q6KPair*) { return 8; }
+
+// The shift of the high bytes' products: 4 for Q4_K (s = l + 16 h), 8 for Q6_K (a byte).
+template <typename Pair>
+constexpr int HIGH_SHIFT = std::is_same_v<Pair, Q4KPair> ? 4 : 8;
 
 // amx_pair for the types whose scales go into the weights (scaled_bytes): a block's 256
 // values are four tile products of 64 (two groups), accumulated in two tiles (the low and
@@ -1116,7 +1115,7 @@ constexpr int high_shift(const Q6KPair*) { return 8; }
 template <typename Pair>
 void amx_scaled(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row* x, int64_t M, PackedInputs in,
                 float* out, int64_t ldo, int64_t prefetch_blocks) {
-  constexpr int STEPS = QK_K / 64, HIGH_SHIFT = high_shift(static_cast<const Pair*>(nullptr));
+  constexpr int STEPS = QK_K / 64;
   alignas(64) uint8_t low[STEPS][16 * 64], high[STEPS][16 * 64];  // B tiles: row t, values 4t..4t + 3
   alignas(64) int32_t c[2][AMX_TILE_ROWS * 16];
   __m512 acc[TILE_ROWS];
@@ -1146,7 +1145,7 @@ void amx_scaled(Pair pair, const uint8_t* w, int64_t b0, int64_t b1, const Q8Row
       const int64_t rows = std::min(AMX_TILE_ROWS, M - m0);
       for (int64_t r = 0; r < rows; ++r)
         sum[m0 + r] = _mm512_add_epi32(_mm512_load_si512(c[0] + 16 * r),
-                                       _mm512_slli_epi32(_mm512_load_si512(c[1] + 16 * r), HIGH_SHIFT));
+                                       _mm512_slli_epi32(_mm512_load_si512(c[1] + 16 * r), HIGH_SHIFT<Pair>));
     }
     pair.finish_rows(x, blk, sum, acc, M);
   }
