@@ -80,5 +80,5 @@ def forward_many(model, passes: list[SequencePass]) -> list[torch.Tensor]:
         x, h = ops.add_rms_norm(x, down, next_norm, eps)
     for p in passes:
         p.cache.advance(len(p.tokens))
-    logits = _product(model.lm_head, h, rows).float()[0]  # (N, V)
+    logits = _product(model.logits, h, rows)[0]  # (N, V)
     return list(logits.split(sizes))

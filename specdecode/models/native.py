@@ -317,9 +317,15 @@ class NativeModel:
             x = x[:, T - num_logits:]
         if x.shape[1] == 0:  # no logits asked for (a chunk of a long pass): skip the vocabulary product
             return ForwardOutput(torch.zeros(B, 0, self.vocab_size), hidden)
-        return ForwardOutput(self.lm_head(x).float(), hidden)
+        return ForwardOutput(self.logits(x), hidden)
 
     __call__ = forward
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states h (..., hidden)."""
+        if isinstance(self.lm_head, QuantLinear):  # its product is fp32: asked in fp32, it skips a bf16 round trip
+            return self.lm_head(h.float())
+        return self.lm_head(h).float()
 
     def _in_chunks(self, tokens: torch.Tensor, cache: KVCache, positions: torch.Tensor,
                    hidden_layers: Sequence[int], num_logits: int | None) -> ForwardOutput:

@@ -44,10 +44,10 @@ namespace {
 constexpr int64_t QK_K = 256;  // values per K-quant block
 constexpr int64_t QK8_0 = 32;  // values per Q8_0 block
 constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied brought into L1
-// Repacked blocks (1-2 KB) are prefetched whole. For up to four rows (a decoding step, a
-// short verify pass) just before they are multiplied, so every line's miss is in flight at
-// once instead of as the unpacking reaches it; for more rows, whose products take longer,
-// six blocks ahead. Streaming 137 MB of Q6_K x8 on AMD EPYC Zen 4 (2 threads, three runs
+// Repacked blocks (1-2 KB) are prefetched whole; these distances are AMD EPYC Zen 4's (Intel
+// Xeon's differ: prefetch_ahead). For up to four rows (a decoding step, a short verify pass)
+// just before they are multiplied, so every line's miss is in flight at once instead of as
+// the unpacking reaches it; for more rows, whose products take longer, six blocks ahead. Streaming 137 MB of Q6_K x8 on AMD EPYC Zen 4 (2 threads, three runs
 // each), one row: 33-51 GB/s so, 17-20 GB/s one or two blocks ahead, 12-16 GB/s without.
 // All of Qwen2.5-1.5B's Q4_K_M matrices (1 GB), same machine, in one run: 2 rows 32 ms so
 // against 42 two blocks ahead and 47 six ahead (one row: 23-24); 4 rows 45, 55, 60;
@@ -725,8 +725,10 @@ struct Q4KPair : Lanes16 {
 // Q6KX8's two groups side by side, as Q4KPair is Q4KX8's. On AMD EPYC Zen 4 it gained
 // nothing (above); on Intel Xeon, whose 512-bit units are whole, eight rows' pass over
 // Qwen2.5-1.5B's layer shapes (0.78 GB of Q6_K, 2 threads) took 53.5 ms in eight-row
-// groups, 52.7 ms in pairs; the AMX build takes pairs, and amx_scaled unpacks with them (10-15%
-// faster than two eight-row groups from 12 rows on).
+// groups, 52.7 ms in pairs; the AMX build takes pairs at any number of rows (their down
+// projections, 0.32 GB, one block ahead: one row 14.4 ms in eight-row groups, 12.5 in pairs,
+// see prefetch_ahead), and amx_scaled unpacks with them (10-15% faster than two eight-row
+// groups from 12 rows on).
 struct Q6KPair : Lanes16 {
   static constexpr int64_t BYTES = Q6_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;
   int64_t stride = 0;  // bytes from a block of the first group to the second's
@@ -889,17 +891,48 @@ void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t
   }
 #endif
 #if defined(GROUP_PAIRS) && defined(__AMX_INT8__)
-  if constexpr (std::is_same_v<Block, Q6KX8>) {
-    if (M >= PAIR_MIN_ROWS) {
-      Q6KPair pair;
-      pair.stride = group_bytes;
-      for (; group + 1 < g1; group += 2)
-        x8_group(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
-    }
+  if constexpr (std::is_same_v<Block, Q6KX8>) {  // any number of rows (Q6KPair)
+    Q6KPair pair;
+    pair.stride = group_bytes;
+    for (; group + 1 < g1; group += 2)
+      x8_group(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
   }
 #endif
   for (; group < g1; ++group)
     x8_group(Block{}, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
+}
+
+#ifdef AMX_INT8
+// Fewer rows wait on memory, where unpacking into tiles only adds work. With their scales in
+// the weights (amx_scaled) Q4_K pays from four rows and Q6_K from ten, the types whose tile
+// products are scaled one by one (amx_pair) from 12. Qwen2.5-1.5B's layer shapes in random
+// blocks (0.78 GB of Q4_K, 0.78 of Q6_K), Intel Xeon with AMX, 2 threads, VNNI against AMX,
+// ms: Q4_K 2 rows 40.0 / 39.8, 4 rows 45.8 / 41.5, 8 rows 49.3 / 46.4, 16 rows 82.4 / 56.3,
+// 64 rows 279 / 148; Q6_K 4 rows 46.6 / 50.0, 8 rows 52.7 / 53.9, 10 rows 67.7 / 55.1,
+// 16 rows 90.1 / 63.6, 64 rows 324 / 155. One row: 34.5-37.4 either.
+template <typename Block>
+constexpr int64_t amx_min_rows() {
+  return std::is_same_v<Block, Q4KX8> ? 4 : std::is_same_v<Block, Q6KX8> ? 10 : 12;
+}
+#endif
+
+// Blocks ahead of the one multiplied that a pass over `rows` rows of repacked blocks
+// prefetches. On Intel Xeon with AMX the few-row distance of AMD EPYC Zen 4 (zero, above)
+// leaves the stream short of lines in flight: one block ahead serves a pass over few rows
+// better, and Q6_K (in pairs of groups there, 3.4 KB a step) at any number of rows.
+// Qwen2.5-1.5B's layer shapes in random blocks (28 layers, Q6_K down projections, 0.87 GB),
+// 2 threads, zero/six blocks ahead (Q6_K in eight-row groups) against one (Q6_K in pairs),
+// interleaved in one run, ms: 1 row 38.7 / 33.3, 2 rows 43.7 / 36.4,
+// 3 rows 47.5 / 40.3; the down projections alone at 5 rows 18.2 / 14.8, 8 rows 21.3 / 19.7,
+// 12 rows (AMX) 24.0 / 20.9, 16 rows 26.1 / 23.1; Q4_K's AMX products lose one ahead (gate
+// and up at 12 rows 27.6 / 30.6).
+template <typename Block>
+int64_t prefetch_ahead(int64_t rows) {
+#ifdef AMX_INT8
+  if constexpr (std::is_same_v<Block, Q6KX8>) return 1;
+  if constexpr (std::is_same_v<Block, Q4KX8>) return rows < amx_min_rows<Block>() ? 1 : PREFETCH_X8_ROWS;
+#endif
+  return rows <= FEW_ROWS ? PREFETCH_X8_FEW_ROWS : PREFETCH_X8_ROWS;
 }
 
 // out[m * ldo + 8 * group + r] for groups [g0, g1) of eight rows of `w` (repacked) times
@@ -907,7 +940,7 @@ void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t
 template <typename Block>
 void x8_rows_times(const uint8_t* w, int64_t blocks, Rows x, int64_t g0, int64_t g1, float* out, int64_t ldo) {
   x8_groups<Block>(w, blocks, g0, g1, 0, blocks, x.data(), x.count, RowInputs{x.data(), Block::VALUES}, out, ldo,
-                   x.count <= FEW_ROWS ? PREFETCH_X8_FEW_ROWS : PREFETCH_X8_ROWS);
+                   prefetch_ahead<Block>(x.count));
 }
 
 // out[m * ldo + n] = row n of `w` (rows [n0, n1)) times activation row m, blocks summed in
@@ -980,17 +1013,6 @@ void rows_times_any(const uint8_t* w, int64_t blocks, Rows x, int64_t n0, int64_
 // in integers and are finished by the eight-row type's fp32 operations, lane for lane, so
 // every row's output is bitwise what the one-row product gives.
 constexpr int64_t AMX_TILE_ROWS = 16;  // rows of inputs per tile product
-// Fewer rows wait on memory, where unpacking into tiles only adds work. With their scales in
-// the weights (amx_scaled) Q4_K pays from four rows and Q6_K from ten, the types whose tile
-// products are scaled one by one (amx_pair) from 12. Qwen2.5-1.5B's layer shapes in random
-// blocks (0.78 GB of Q4_K, 0.78 of Q6_K), Intel Xeon with AMX, 2 threads, VNNI against AMX,
-// ms: Q4_K 2 rows 40.0 / 39.8, 4 rows 45.8 / 41.5, 8 rows 49.3 / 46.4, 16 rows 82.4 / 56.3,
-// 64 rows 279 / 148; Q6_K 4 rows 46.6 / 50.0, 8 rows 52.7 / 53.9, 10 rows 67.7 / 55.1,
-// 16 rows 90.1 / 63.6, 64 rows 324 / 155. One row: 34.5-37.4 either.
-template <typename Block>
-constexpr int64_t amx_min_rows() {
-  return std::is_same_v<Block, Q4KX8> ? 4 : std::is_same_v<Block, Q6KX8> ? 10 : 12;
-}
 
 // Tiles 0-1: C (rows x 16 int32); 2-3: A (rows x `depth` bytes of inputs); 4-7: B (depth / 4
 // rows x 16 columns x 4 bytes of weights). Two of each, so one product's loads overlap
@@ -1191,7 +1213,7 @@ void amx_part(const uint8_t* w, int64_t blocks, int64_t groups, Rows x, float* o
   pack_rows(x.data(), M, stride, Block::VALUES, 0, blocks, in);
   at::parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     amx_groups<Block>(w, blocks, 2 * p0, std::min(groups, 2 * p1), 0, blocks, x.data(), M, in, out, ldo,
-                      PREFETCH_X8_ROWS);
+                      prefetch_ahead<Block>(M));
   });
 }
 #endif

@@ -63,7 +63,7 @@ def answer_features(model, prompts: list[list[int]], max_new_tokens: int, eos_id
         along = {layer: torch.cat([prompt_hidden[layer][row, L - len(prompt):], step_hidden[layer][row, :len(answer) - 1]])
                  for layer in layers}
         h = along[final]
-        prompt_labels = torch.cat([model.lm_head(chunk).argmax(dim=-1)
+        prompt_labels = torch.cat([model.logits(chunk).argmax(dim=-1)
                                    for chunk in h[:len(prompt) - 1].split(LABEL_CHUNK)] + [torch.tensor(answer[:1])])
         tokens.append(torch.tensor(prompt + answer[:-1]))
         labels.append(torch.cat([prompt_labels, torch.tensor(answer[1:], dtype=torch.long)]))
