@@ -47,8 +47,9 @@ constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied b
 // Repacked blocks (1-2 KB) are prefetched whole; these distances are AMD EPYC Zen 4's (Intel
 // Xeon's differ: prefetch_ahead). For up to four rows (a decoding step, a short verify pass)
 // just before they are multiplied, so every line's miss is in flight at once instead of as
-// the unpacking reaches it; for more rows, whose products take longer, six blocks ahead. Streaming 137 MB of Q6_K x8 on AMD EPYC Zen 4 (2 threads, three runs
-// each), one row: 33-51 GB/s so, 17-20 GB/s one or two blocks ahead, 12-16 GB/s without.
+// the unpacking reaches it; for more rows, whose products take longer, six blocks ahead.
+// Streaming 137 MB of Q6_K x8 on AMD EPYC Zen 4 (2 threads, three runs each), one row:
+// 33-51 GB/s so, 17-20 GB/s one or two blocks ahead, 12-16 GB/s without.
 // All of Qwen2.5-1.5B's Q4_K_M matrices (1 GB), same machine, in one run: 2 rows 32 ms so
 // against 42 two blocks ahead and 47 six ahead (one row: 23-24); 4 rows 45, 55, 60;
 // 6 rows 68-70 any; 8 rows 85, 89, 80; 16 rows 147, 146, 138.
@@ -725,10 +726,10 @@ struct Q4KPair : Lanes16 {
 // Q6KX8's two groups side by side, as Q4KPair is Q4KX8's. On AMD EPYC Zen 4 it gained
 // nothing (above); on Intel Xeon, whose 512-bit units are whole, eight rows' pass over
 // Qwen2.5-1.5B's layer shapes (0.78 GB of Q6_K, 2 threads) took 53.5 ms in eight-row
-// groups, 52.7 ms in pairs; the AMX build takes pairs at any number of rows (their down
-// projections, 0.32 GB, one block ahead: one row 14.4 ms in eight-row groups, 12.5 in pairs,
-// see prefetch_ahead), and amx_scaled unpacks with them (10-15% faster than two eight-row
-// groups from 12 rows on).
+// groups, 52.7 ms in pairs; the AMX build takes pairs at any number of rows (the down
+// projections of those shapes, 0.32 GB, one row, both prefetched as on Zen 4: 14.4 ms in
+// eight-row groups, 12.5 in pairs), and amx_scaled unpacks with them (10-15% faster than
+// two eight-row groups from 12 rows on).
 struct Q6KPair : Lanes16 {
   static constexpr int64_t BYTES = Q6_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;
   int64_t stride = 0;  // bytes from a block of the first group to the second's
@@ -922,10 +923,10 @@ constexpr int64_t amx_min_rows() {
 // better, and Q6_K (in pairs of groups there, 3.4 KB a step) at any number of rows.
 // Qwen2.5-1.5B's layer shapes in random blocks (28 layers, Q6_K down projections, 0.87 GB),
 // 2 threads, zero/six blocks ahead (Q6_K in eight-row groups) against one (Q6_K in pairs),
-// interleaved in one run, ms: 1 row 38.7 / 33.3, 2 rows 43.7 / 36.4,
-// 3 rows 47.5 / 40.3; the down projections alone at 5 rows 18.2 / 14.8, 8 rows 21.3 / 19.7,
-// 12 rows (AMX) 24.0 / 20.9, 16 rows 26.1 / 23.1; Q4_K's AMX products lose one ahead (gate
-// and up at 12 rows 27.6 / 30.6).
+// interleaved in one run, ms: 1 row 38.7 / 33.3, 2 rows 43.7 / 36.4, 3 rows 47.5 / 40.3;
+// Q6_K in pairs, six blocks ahead against one, the down projections alone: 5 rows 18.2 /
+// 14.8, 8 rows 21.3 / 19.7, 12 rows (AMX) 24.0 / 20.9, 16 rows 26.1 / 23.1. Q4_K's AMX
+// products lose one ahead (gate and up at 12 rows 27.6 / 30.6).
 template <typename Block>
 int64_t prefetch_ahead(int64_t rows) {
 #ifdef AMX_INT8
