@@ -875,7 +875,8 @@ void x8_group(const Block& kind, const uint8_t* base, int64_t b0, int64_t b1, co
 
 // Groups [g0, g1) of eight rows of weights (`w`: each group's `blocks` blocks in turn)
 // times rows [0, M) of x over blocks [b0, b1): out[m * ldo + 8 * group + r]. With AVX-512,
-// two adjacent groups at a time where the call has at least PAIR_MIN_ROWS rows.
+// two adjacent groups at a time: Q4_K where the call has at least PAIR_MIN_ROWS rows, Q6_K
+// on AMX builds at any number.
 template <typename Block, typename Inputs>
 void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t b0, int64_t b1, const Q8Row* x,
                int64_t M, Inputs in, float* out, int64_t ldo, int64_t prefetch_blocks) {
