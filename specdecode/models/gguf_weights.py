@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -49,8 +50,29 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.argsort(permuted)
 
 
+class GGUFWeights(NamedTuple):
+    """What `read_gguf` found: the tensors by transformers' name; the offset in the file of
+    each matrix whose blocks are the file's bytes unchanged (neither requantized nor put
+    back in order); the types that had no kernel here and were requantized."""
+
+    tensors: dict[str, torch.Tensor | QuantTensor]
+    offsets: dict[str, int]
+    requantized: tuple[str, ...]
+
+
 def load_gguf_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.Tensor | QuantTensor]:
     """Every tensor the model reads, by transformers' name: matrices as QuantTensor, vectors as float32."""
+    return read_gguf(path, config).tensors
+
+
+def requantized_note(path: str | Path, types: tuple[str, ...]) -> None:
+    """The one-line warning that a file's matrices of these types run as Q8_0."""
+    if types:
+        log.warning("%s: %s matrices have no kernel here; they run as Q8_0", Path(path).name, ", ".join(types))
+
+
+def read_gguf(path: str | Path, config: ModelConfig) -> GGUFWeights:
+    """load_gguf_weights, with where each matrix lies in the file (GGUFWeights)."""
     try:
         reader = GGUFReader(str(path))
     except (ValueError, OSError) as err:
@@ -58,6 +80,7 @@ def load_gguf_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.
     arch_field = reader.get_field("general.architecture")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field is not None else ""
     weights: dict[str, torch.Tensor | QuantTensor] = {}
+    offsets: dict[str, int] = {}
     requantized: set[str] = set()
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
@@ -69,18 +92,19 @@ def load_gguf_weights(path: str | Path, config: ModelConfig) -> dict[str, torch.
             continue
         if tensor.tensor_type in KERNEL_TYPES:
             matrix = QuantTensor.from_blocks(tensor.tensor_type, tensor.data, rows)
+            offsets[name] = int(tensor.data_offset)
         else:
             values = tensor.data if tensor.tensor_type in FLOAT_TYPES else quants.dequantize(tensor.data, tensor.tensor_type)
             matrix = QuantTensor.quantize(torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(rows, -1),
                                           GGMLQuantizationType.Q8_0)
             requantized.add(tensor.tensor_type.name)
         weights[name] = matrix
-    if requantized:
-        log.warning("%s: %s matrices have no kernel here; they run as Q8_0", Path(path).name, ", ".join(sorted(requantized)))
+    requantized_note(path, tuple(sorted(requantized)))
     if arch in PERMUTED_ARCHS:
         for i in range(config.num_layers):
             for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
                 name = f"model.layers.{i}.self_attn.{proj}.weight"
                 matrix = weights[name]
                 weights[name] = QuantTensor(matrix.qtype, matrix.data[unpermute_rows(matrix.shape[0], heads)].contiguous())
-    return weights
+                offsets.pop(name, None)
+    return GGUFWeights(weights, offsets, tuple(sorted(requantized)))

@@ -45,7 +45,7 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.kv_cache import BLOCK, KVCache
 from specdecode.models.layer_ops import FusedOps, TorchOps, layer_ops
 from specdecode.models.linear import ROW_INVARIANT_ROWS, Linear
-from specdecode.models.gguf_weights import load_gguf_weights
+from specdecode.models.prepared import load_prepared
 from specdecode.models.quant import Q8_0, QUANTIZABLE, QuantEmbedding, QuantLinear, QuantTensor, quantize_matrices
 from specdecode.models.store import gguf_file
 from specdecode.models.path_attention import PathPlan, plan_paths
@@ -195,7 +195,7 @@ class NativeModel:
         folder = Path(folder)
         config = ModelConfig.from_folder(folder)
         if quant == "gguf":
-            weights = load_gguf_weights(gguf_file(folder), config)
+            weights = load_prepared(gguf_file(folder), config, folder)
         elif quant is not None:
             weights = quantize_matrices(load_weights(folder, dtype), QUANTIZABLE[quant])
         else:

@@ -33,10 +33,12 @@ QUANTIZABLE = {"q8_0": Q8_0, "q4_0": Q4_0}
 
 @dataclass
 class QuantTensor:
-    """A (rows, cols) matrix as GGUF blocks: `data` is uint8 (rows, blocks per row, bytes per block)."""
+    """A (rows, cols) matrix as GGUF blocks: `data` is uint8 (rows, blocks per row, bytes per block).
+    `layout`: the bytes the kernel reads (kernel_layout), where made ahead (prepared.py)."""
 
     qtype: GGMLQuantizationType
     data: torch.Tensor
+    layout: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -78,15 +80,27 @@ def quantize_matrices(weights: dict[str, torch.Tensor], qtype: GGMLQuantizationT
     return out
 
 
-def stack(parts: list[QuantTensor]) -> list[QuantTensor]:
-    """Matrices stacked along their rows, neighbours of one type merged (fewer, longer calls)."""
-    merged: list[QuantTensor] = []
+def stacked_layouts(parts: list[QuantTensor]) -> list[tuple[GGMLQuantizationType, torch.Tensor]]:
+    """The kernel's bytes of matrices stacked along their rows, neighbours of one type merged
+    (fewer, longer calls). Layouts made ahead are stacked as they are where every part is
+    repacked (a repacked matrix's groups of eight rows are its rows' in order); otherwise
+    the merged blocks are laid out anew."""
+    runs: list[list[QuantTensor]] = []
     for part in parts:
-        if merged and merged[-1].qtype == part.qtype:
-            merged[-1] = QuantTensor(part.qtype, torch.cat([merged[-1].data, part.data]))
+        if runs and runs[-1][0].qtype == part.qtype:
+            runs[-1].append(part)
         else:
-            merged.append(part)
-    return merged
+            runs.append([part])
+    layouts = []
+    for run in runs:
+        qtype = run[0].qtype
+        if len(run) == 1:
+            layouts.append((qtype, kernel_layout(run[0])))
+        elif all(p.layout is not None and p.layout.shape[-1] == X8_BYTES.get(qtype) for p in run):
+            layouts.append((qtype, torch.cat([p.layout for p in run])))
+        else:
+            layouts.append((qtype, kernel_layout(QuantTensor(qtype, torch.cat([p.data for p in run])))))
+    return layouts
 
 
 X8_ROWS = 8  # rows a repacked block interleaves
@@ -212,6 +226,8 @@ REPACK = {GGMLQuantizationType.Q4_K: repack_q4_k_x8, GGMLQuantizationType.Q6_K: 
 def kernel_layout(part: QuantTensor) -> torch.Tensor:
     """The bytes the kernel reads for a part: Q4_K, Q6_K, Q8_0 and Q5_0 repacked eight rows
     at a time where the rows allow (their products are then faster), other types as stored."""
+    if part.layout is not None:
+        return part.layout
     if part.qtype in REPACK and part.shape[0] % X8_ROWS == 0:
         return REPACK[part.qtype](part.data)
     return part.data
@@ -232,13 +248,13 @@ class QuantLinear:
         widths = {p.shape[1] for p in parts}
         if len(widths) != 1:
             raise SpecDecodeError(f"stacked parts differ in width: {sorted(widths)}")
-        parts = stack(parts)
-        self.types = [p.qtype.name for p in parts]
+        layouts = stacked_layouts(parts)
+        self.types = [qtype.name for qtype, _ in layouts]
         self.in_features = widths.pop()
         self.out_features = sum(p.shape[0] for p in parts)
         self.bias = bias
         # on 2 MB pages: a step streams every matrix front to back (huge_pages.py)
-        self._data = [on_huge_pages(kernel_layout(p)) for p in parts]
+        self._data = [on_huge_pages(layout) for _, layout in layouts]
         self.weight_bytes = sum(d.numel() for d in self._data)
 
     @property

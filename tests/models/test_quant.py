@@ -14,7 +14,7 @@ from specdecode.core.stopping import StopCondition
 from specdecode.drafters import DraftModel, PromptLookup
 from specdecode.errors import SpecDecodeError
 from specdecode.models.native import NativeModel
-from specdecode.models.quant import KERNEL_TYPES, X8_BYTES, QuantLinear, QuantTensor, kernel_layout
+from specdecode.models.quant import KERNEL_TYPES, X8_BYTES, QuantLinear, QuantTensor, kernel_layout, stacked_layouts
 from tests.conftest import assert_verify_pass_equals_one_token_passes
 
 FP16_FIELDS = {T.Q4_K: (0, 2), T.Q6_K: (208,), T.Q8_0: (0,), T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,)}  # byte offsets of scales
@@ -131,6 +131,16 @@ def test_stacked_parts_of_mixed_types_equal_their_products_side_by_side(kernel_m
     assert torch.equal(layer(x), (apart + bias.float()).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows", [(16, 24), (4, 4)])  # whole groups of eight; parts that only fill one merged
+def test_layouts_made_ahead_stack_to_the_layout_of_the_stacked_blocks(rows):
+    plain = [random_blocks(T.Q4_K, n, 512, seed) for seed, n in enumerate(rows)]
+    ahead = [QuantTensor(p.qtype, p.data, None if kernel_layout(p) is p.data else kernel_layout(p)) for p in plain]
+    merged = kernel_layout(QuantTensor(T.Q4_K, torch.cat([p.data for p in plain])))
+    for parts in (plain, ahead):
+        [(qtype, layout)] = stacked_layouts(parts)
+        assert qtype == T.Q4_K and torch.equal(layout, merged)
+
+
 def test_quantize_refuses_rows_the_blocks_do_not_divide():
     with pytest.raises(SpecDecodeError, match="multiple of 32"):
         QuantTensor.quantize(torch.randn(4, 40), T.Q8_0)
@@ -171,6 +181,59 @@ def test_smollm2_gguf_blocks_are_the_converted_weights_exactly(smollm2_folder):
     for name, tensor in weights.items():
         values = tensor.dequantize() if isinstance(tensor, QuantTensor) else tensor
         assert torch.equal(values, converted[name].reshape(values.shape)), name
+
+
+@pytest.mark.real
+def test_a_prepared_gguf_gives_the_files_weights_and_is_made_again_when_damaged(smollm2_folder, caplog):
+    """The prepared copy (prepared.py) maps to the same bytes as reading the GGUF, each layout
+    the repack of its blocks, so the model's logits are bitwise the same; a damaged copy is
+    replaced with a warning, and an older copy of the file is removed."""
+    from specdecode.models.config import ModelConfig
+    from specdecode.models.gguf_weights import load_gguf_weights
+    from specdecode.models.prepared import load_prepared, prepared_path
+    from specdecode.models.store import gguf_file
+
+    config, gguf = ModelConfig.from_folder(smollm2_folder), gguf_file(smollm2_folder)
+    path = prepared_path(gguf, smollm2_folder)
+    path.unlink(missing_ok=True)
+    older = path.with_name(path.name.split(".", 1)[0] + ".000000000000.prepared.pt")
+    older.write_bytes(b"an older copy")
+    made = load_prepared(gguf, config, smollm2_folder)
+    assert path.is_file() and not older.exists()
+    mapped, read = load_prepared(gguf, config, smollm2_folder), load_gguf_weights(gguf, config)
+    assert set(made) == set(mapped) == set(read)
+    layouts = 0
+    for name, tensor in read.items():
+        if not isinstance(tensor, QuantTensor):
+            assert torch.equal(mapped[name], tensor), name
+            continue
+        assert mapped[name].qtype == tensor.qtype and torch.equal(mapped[name].data, tensor.data), name
+        if mapped[name].layout is not None:
+            assert torch.equal(mapped[name].layout, kernel_layout(tensor)), name
+            layouts += 1
+    assert layouts > 0
+    tokens = torch.tensor([[1, 17, 42, 8, 91, 5]])
+    models = [NativeModel(config, weights) for weights in (read, mapped)]
+    logits = [m(tokens, m.new_cache(1, 16), num_logits=6).logits for m in models]
+    assert torch.equal(logits[0], logits[1])
+    path.write_bytes(b"not a saved dictionary")
+    with caplog.at_level("WARNING", logger="specdecode"):
+        again = load_prepared(gguf, config, smollm2_folder)
+    assert "unreadable" in caplog.text and set(again) == set(read)
+    assert torch.load(path, mmap=True, weights_only=True)["format"] == 1
+
+
+def test_a_gguf_in_a_folder_of_the_users_is_prepared_under_the_cache(tmp_path, monkeypatch):
+    from specdecode.models.prepared import prepared_path
+
+    monkeypatch.setenv("SPECDECODE_HOME", str(tmp_path / "home"))
+    gguf = tmp_path / "mine" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    first = prepared_path(gguf, gguf.parent)
+    assert first.parent == tmp_path / "home" / "prepared" and first.name.startswith("model-")
+    gguf.write_bytes(b"GGUF, changed")
+    assert prepared_path(gguf, gguf.parent) != first  # a changed file is prepared anew
 
 
 @pytest.mark.real

@@ -1,0 +1,127 @@
+"""A GGUF file's weights as the kernel reads them, kept on disk so that later loads skip the work.
+
+Reading a GGUF with the `gguf` package parses every metadata field (a Qwen file's
+tokenizer is 150,000 strings), and the kernel reads most matrices repacked eight rows at a
+time (quant.kernel_layout); of a warm load of Qwen2.5-1.5B's Q4_K_M file that was about
+20 s. The first load keeps what they produce: each repacked matrix, the vectors, and where
+each matrix's own blocks lie in the GGUF. Later loads map that copy and the GGUF's blocks
+(torch's and numpy's memory maps) and parse nothing; their weights are the same bytes.
+
+The copy lives in the model's cache folder, or under home()/prepared/ for a folder of the
+user's, named for the GGUF's path. Its tag hashes the code that makes it (this file,
+quant.py, gguf_weights.py) and the GGUF's size and modification time: a change to any
+makes a new copy, and older ones of the same file are removed. It is written whole and
+renamed into place, so deleting it is always safe (the next load makes it again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from specdecode.models.config import ModelConfig
+from specdecode.models.gguf_weights import read_gguf, requantized_note
+from specdecode.models.quant import QuantTensor, kernel_layout
+from specdecode.models.store import home, read_manifest
+
+log = logging.getLogger("specdecode")
+
+FORMAT = 1  # of the saved dictionary (_save)
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def load_prepared(gguf: str | Path, config: ModelConfig, folder: str | Path) -> dict[str, torch.Tensor | QuantTensor]:
+    """The GGUF's weights as gguf_weights.load_gguf_weights gives them, each repacked
+    matrix's `layout` made: from the prepared copy where one is current, else from the file
+    (then kept, where the disk allows)."""
+    gguf = Path(gguf)
+    path = prepared_path(gguf, Path(folder))
+    if path.is_file():
+        try:
+            return _read(path, gguf)
+        except Exception as err:  # a damaged or unreadable copy is made again
+            log.warning("%s: unreadable (%s); preparing it again", path, err)
+            path.unlink(missing_ok=True)
+    found = read_gguf(gguf, config)
+    weights = found.tensors
+    # the embedding is repacked only where it is also the head (a tied model without an output matrix)
+    for name, tensor in weights.items():
+        if isinstance(tensor, QuantTensor) and (name != EMBEDDING or HEAD not in weights):
+            layout = kernel_layout(tensor)
+            tensor.layout = None if layout is tensor.data else layout
+    try:
+        _save(path, weights, found.offsets, found.requantized)
+    except OSError as err:
+        log.warning("could not keep the prepared weights at %s (%s); the next load prepares them again", path, err)
+    return weights
+
+
+def prepared_path(gguf: Path, folder: Path) -> Path:
+    """Where the prepared copy of `gguf` run from `folder` is (whether or not it is there)."""
+    where = folder if read_manifest(folder) is not None else home() / "prepared"
+    return where / f"{_file_key(gguf)}.{_tag(gguf)}.prepared.pt"
+
+
+def _file_key(gguf: Path) -> str:
+    return f"{gguf.stem}-{hashlib.sha256(str(gguf.resolve()).encode()).hexdigest()[:8]}"
+
+
+def _tag(gguf: Path) -> str:
+    digest = hashlib.sha256(f"{FORMAT}".encode())
+    for module in ("prepared.py", "quant.py", "gguf_weights.py"):
+        digest.update((Path(__file__).parent / module).read_bytes())
+    stat = gguf.stat()
+    digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:12]
+
+
+def _save(path: Path, weights: dict, offsets: dict[str, int], requantized: tuple[str, ...]) -> None:
+    """The copy written as a `.partial` and renamed over `path`; older copies of the file removed."""
+    payload = {"format": FORMAT, "requantized": list(requantized), "vectors": {}, "matrices": {}}
+    for name, tensor in weights.items():
+        if not isinstance(tensor, QuantTensor):
+            payload["vectors"][name] = tensor
+            continue
+        entry = {"qtype": int(tensor.qtype), "rows": tensor.data.shape[0]}
+        if name in offsets:  # the file's own bytes: mapped from the GGUF, not copied
+            entry["offset"], entry["bytes"] = offsets[name], tensor.nbytes
+        else:
+            entry["blocks"] = tensor.data
+        if tensor.layout is not None:
+            entry["layout"] = tensor.layout
+        payload["matrices"][name] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.pid{os.getpid()}.partial")
+    try:
+        torch.save(payload, partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    key = path.name.split(".", 1)[0]
+    for older in path.parent.glob(f"{key}.*.prepared.pt"):
+        if older != path:
+            older.unlink(missing_ok=True)
+
+
+def _read(path: Path, gguf: Path) -> dict[str, torch.Tensor | QuantTensor]:
+    payload = torch.load(path, mmap=True, weights_only=True)
+    if payload.get("format") != FORMAT:
+        raise ValueError(f"format {payload.get('format')}, not {FORMAT}")
+    blocks = np.memmap(gguf, dtype=np.uint8, mode="c")  # copy-on-write: writable views, the file untouched
+    weights: dict[str, torch.Tensor | QuantTensor] = dict(payload["vectors"])
+    for name, entry in payload["matrices"].items():
+        qtype = GGMLQuantizationType(entry["qtype"])
+        if "blocks" in entry:
+            data = entry["blocks"]
+        else:
+            start = entry["offset"]
+            data = torch.from_numpy(blocks[start:start + entry["bytes"]]).view(entry["rows"], -1, GGML_QUANT_SIZES[qtype][1])
+        weights[name] = QuantTensor(qtype, data, entry.get("layout"))
+    requantized_note(gguf, tuple(payload["requantized"]))
+    return weights
