@@ -19,10 +19,11 @@ MIN_BYTES = HUGE  # smaller tensors span too few pages to matter
 
 
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of a CPU tensor, in memory advised for transparent huge pages."""
+    """A contiguous copy of a CPU tensor, in memory advised for transparent huge pages. Always
+    a copy, small tensors too: nothing keeps the memory map a tensor came from (prepared.py) open."""
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes < MIN_BYTES or tensor.device.type != "cpu" or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return tensor.contiguous()
+        return tensor.clone(memory_format=torch.contiguous_format)
     # private and anonymous (a shared mapping would be shmem, whose huge pages are off by default);
     # one spare huge page to align within
     region = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

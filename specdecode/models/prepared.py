@@ -49,17 +49,23 @@ def load_prepared(gguf: str | Path, config: ModelConfig, folder: str | Path) -> 
             log.warning("%s: unreadable (%s); preparing it again", path, err)
             path.unlink(missing_ok=True)
     found = read_gguf(gguf, config)
-    weights = found.tensors
-    # the embedding is repacked only where it is also the head (a tied model without an output matrix)
+    _make_layouts(found.tensors)
+    try:
+        _save(path, found.tensors, found.offsets, found.requantized)
+    except OSError as err:
+        log.warning("could not keep the prepared weights at %s (%s); the next load prepares them again", path, err)
+        return found.tensors
+    del found  # read back mapped, as every later load is: the copies made here are freed first
+    return _read(path, gguf)
+
+
+def _make_layouts(weights: dict) -> None:
+    """Each matrix's kernel layout where it is not the blocks as stored; the embedding's only
+    where it is also the head (a tied model without an output matrix)."""
     for name, tensor in weights.items():
         if isinstance(tensor, QuantTensor) and (name != EMBEDDING or HEAD not in weights):
             layout = kernel_layout(tensor)
             tensor.layout = None if layout is tensor.data else layout
-    try:
-        _save(path, weights, found.offsets, found.requantized)
-    except OSError as err:
-        log.warning("could not keep the prepared weights at %s (%s); the next load prepares them again", path, err)
-    return weights
 
 
 def prepared_path(gguf: Path, folder: Path) -> Path:
