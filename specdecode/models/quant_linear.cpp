@@ -53,7 +53,19 @@ constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied b
 // All of Qwen2.5-1.5B's Q4_K_M matrices (1 GB), same machine, in one run: 2 rows 32 ms so
 // against 42 two blocks ahead and 47 six ahead (one row: 23-24); 4 rows 45, 55, 60;
 // 6 rows 68-70 any; 8 rows 85, 89, 80; 16 rows 147, 146, 138.
-constexpr int64_t PREFETCH_X8_FEW_ROWS = 0, PREFETCH_X8_ROWS = 6, FEW_ROWS = 4;
+// The AVX2 build (AMD EPYC Zen 2 measured) does better with three and four rows six ahead.
+// Its threads also read WEIGHT_STREAMS groups of weights side by side in a pass over one or
+// two rows (x8_streams_rows): there one core's sequential read stops at about 12 GB/s while
+// four streams far apart reach 18-21. Qwen2.5-1.5B's layer shapes in random blocks (1.09 GB
+// of Q4_K and Q6_K), AMD EPYC Zen 2, 2 threads, variants interleaved, median ms: one stream
+// against four, 1 row 58.9 / 50.6, 2 rows 64.3 / 59.6 (3 and 4 rows lost 6-11%); six blocks
+// ahead against just before, 3 rows 71.4 / 75.5, 4 rows 76.3 / 85.1.
+#ifdef __AVX512F__
+constexpr int64_t FEW_ROWS = 4, WEIGHT_STREAMS = 1;
+#else
+constexpr int64_t FEW_ROWS = 2, WEIGHT_STREAMS = 4;
+#endif
+constexpr int64_t PREFETCH_X8_FEW_ROWS = 0, PREFETCH_X8_ROWS = 6, STREAM_ROWS = 2;
 constexpr int64_t TILE_ROWS = 64, TILE_VALUES = 4096;  // a long pass's tile of inputs: 64 rows x 4096 values
 constexpr int64_t Q4_K_BYTES = 144, Q6_K_BYTES = 210, Q8_0_BYTES = 34, Q4_0_BYTES = 18, Q4_1_BYTES = 20,
                   Q5_0_BYTES = 22;
@@ -848,6 +860,56 @@ void x8_group_rows(const Block& kind, const uint8_t* base, int64_t b0, int64_t b
   for (int m = 0; m < R; ++m) Block::store_out(out + m * ldo, acc[m]);
 }
 
+// S groups of eight rows of weights (`bases`) times rows [0, R) of x over all `blocks`,
+// block by block, the groups in turn: each group's operations are x8_group_rows', in the
+// same order, so its outputs are bitwise the same, while the S streams of weights are read
+// side by side (WEIGHT_STREAMS).
+template <typename Block, int R, int S, typename Inputs>
+void x8_streams_rows(const uint8_t* const* bases, int64_t blocks, const Q8Row* x, Inputs in, float* const* outs,
+                     int64_t ldo, int64_t prefetch_blocks) {
+  typename Block::Float acc[S][R];
+  typename Block::Int sum[R];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < R; ++m) acc[s][m] = Block::zero_float();
+  Block block{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int s = 0; s < S; ++s) {
+      const uint8_t* blk = bases[s] + b * Block::BYTES;
+      block.prefetch(blk + prefetch_blocks * Block::BYTES);
+      block.load(blk);
+      for (int m = 0; m < R; ++m) sum[m] = Block::zero_int();
+      for (int g = 0; g < Block::GROUPS; ++g) {
+        block.unpack(g);
+        for (int m = 0; m < R; ++m) sum[m] = Block::add(sum[m], block.dot(in.at(m, b, g)));
+      }
+      for (int m = 0; m < R; ++m) block.finish(x[m], b, sum[m], acc[s][m]);
+    }
+  }
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < R; ++m) Block::store_out(outs[s] + m * ldo, acc[s][m]);
+}
+
+// Groups [group, g1) of eight rows of weights times rows [0, M <= STREAM_ROWS) of x over all
+// `blocks`, WEIGHT_STREAMS at a time: the range is cut into that many runs far apart, read
+// side by side. Returns the first group left over (fewer than WEIGHT_STREAMS).
+template <typename Block, typename Inputs>
+int64_t x8_streams(const uint8_t* w, int64_t blocks, int64_t group, int64_t g1, const Q8Row* x, int64_t M, Inputs in,
+                   float* out, int64_t ldo, int64_t prefetch_blocks) {
+  constexpr int S = WEIGHT_STREAMS;
+  const int64_t group_bytes = blocks * Block::BYTES, run = (g1 - group) / S;
+  for (int64_t j = 0; j < run; ++j) {
+    const uint8_t* bases[S];
+    float* outs[S];
+    for (int s = 0; s < S; ++s) {
+      bases[s] = w + (group + s * run + j) * group_bytes;
+      outs[s] = out + 8 * (group + s * run + j);
+    }
+    if (M == 1) x8_streams_rows<Block, 1, S>(bases, blocks, x, in, outs, ldo, prefetch_blocks);
+    else x8_streams_rows<Block, 2, S>(bases, blocks, x, in, outs, ldo, prefetch_blocks);
+  }
+  return group + S * run;
+}
+
 // Rows [0, M) of x, CHUNK_ROWS at a time, times one group of eight rows of weights over
 // blocks [b0, b1) (see x8_group_rows). The group's weights (1-7 KB a block range) stay in
 // cache from one chunk of rows to the next.
@@ -876,7 +938,7 @@ void x8_group(const Block& kind, const uint8_t* base, int64_t b0, int64_t b1, co
 // Groups [g0, g1) of eight rows of weights (`w`: each group's `blocks` blocks in turn)
 // times rows [0, M) of x over blocks [b0, b1): out[m * ldo + 8 * group + r]. With AVX-512,
 // two adjacent groups at a time: Q4_K where the call has at least PAIR_MIN_ROWS rows, Q6_K
-// on AMX builds at any number.
+// on AMX builds at any number; with AVX2, WEIGHT_STREAMS groups side by side for one or two rows.
 template <typename Block, typename Inputs>
 void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t b0, int64_t b1, const Q8Row* x,
                int64_t M, Inputs in, float* out, int64_t ldo, int64_t prefetch_blocks) {
@@ -900,6 +962,10 @@ void x8_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_t
       x8_group(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
   }
 #endif
+  if constexpr (WEIGHT_STREAMS > 1) {
+    if (M <= STREAM_ROWS && b0 == 0 && b1 == blocks)
+      group = x8_streams<Block>(w, blocks, group, g1, x, M, in, out, ldo, prefetch_blocks);
+  }
   for (; group < g1; ++group)
     x8_group(Block{}, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
 }
@@ -1200,6 +1266,10 @@ void amx_groups(const uint8_t* w, int64_t blocks, int64_t g0, int64_t g1, int64_
         amx_pair(pair, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);
     }
     _tile_release();
+  }
+  if constexpr (WEIGHT_STREAMS > 1) {
+    if (M <= STREAM_ROWS && b0 == 0 && b1 == blocks)
+      group = x8_streams<Block>(w, blocks, group, g1, x, M, in, out, ldo, prefetch_blocks);
   }
   for (; group < g1; ++group)
     x8_group(Block{}, w + group * group_bytes, b0, b1, x, M, in, out + 8 * group, ldo, prefetch_blocks);

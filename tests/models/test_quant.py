@@ -63,6 +63,19 @@ def test_kernel_product_matches_the_dequantized_blocks(qtype, rows, kernel_modul
     assert np.abs(y32 - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("inputs", [1, 2])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+def test_few_row_products_over_many_groups_match_the_dequantized_blocks(qtype, inputs, kernel_module):
+    """A decoding step's product reads several groups of eight rows side by side where the
+    build does so (the AVX2 build's WEIGHT_STREAMS): 17 groups give each of two threads whole
+    sets of four and one left over."""
+    w = random_blocks(qtype, 136, 512, seed=4)
+    x = torch.randn(inputs, 512, generator=torch.Generator().manual_seed(5))
+    y = kernel_module.quant_linear(x, [kernel_layout(w)], None, 136).double().numpy()
+    want = reference(x, w)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("rows", [72, 70])
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_each_row_is_bitwise_its_one_row_product(qtype, rows, kernel_module):
