@@ -1,4 +1,4 @@
-"""The fused small ops of a bf16 layer (cpu_ops.cpp) against the torch ops they replace.
+"""The fused small ops of a bf16 layer (ops.cpp) against the torch ops they replace.
 
 They round where the torch ops round, so the elementwise ones agree bitwise; the norm
 sums squares in another order, so it may differ by a bf16 step or two where a row's sum

@@ -21,7 +21,7 @@
 #include "amx_tiles.h"
 #include "bindings.h"
 #include "kernels.h"
-#include "simd_math.h"
+#include "vec.h"
 
 namespace {
 
@@ -98,12 +98,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
         const int64_t n0 = g * G * 16, n1 = std::min(N, n0 + G * 16);
         for (int r = 0; r < rows; ++r)
           for (int64_t n = n0; n < n1; n += 16) {
-            const __mmask16 live = simd::live_lanes(n1 - n);
+            const __mmask16 live = vec::live_lanes(n1 - n);
             const __m512 v = _mm512_loadu_ps(c + r * G * 16 + (n - n0));
             if (parts > 1) {
               _mm512_mask_storeu_ps(partial.data() + (part * M + m0 + r) * N + n, live, v);
             } else {
-              simd::store_bf16(yp + (m0 + r) * N + n, b ? _mm512_add_ps(v, simd::load_bf16(b + n, live)) : v, live);
+              vec::store_bf16(yp + (m0 + r) * N + n, b ? _mm512_add_ps(v, vec::load_bf16(b + n, live)) : v, live);
             }
           }
       }
@@ -113,11 +113,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
   if (parts > 1)  // the halves summed in order, as the scalar sum v0 + v1 (+ bias) rounds
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; n += 16) {
-        const __mmask16 live = simd::live_lanes(N - n);
+        const __mmask16 live = vec::live_lanes(N - n);
         __m512 v = _mm512_maskz_loadu_ps(live, partial.data() + m * N + n);
         for (int64_t part = 1; part < parts; ++part)
           v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(live, partial.data() + (part * M + m) * N + n));
-        simd::store_bf16(yp + m * N + n, b ? _mm512_add_ps(v, simd::load_bf16(b + n, live)) : v, live);
+        vec::store_bf16(yp + m * N + n, b ? _mm512_add_ps(v, vec::load_bf16(b + n, live)) : v, live);
       }
   return y;
 }

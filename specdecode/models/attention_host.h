@@ -1,7 +1,23 @@
-// The host side of cache attention, shared by the AVX-512 (attention.cpp) and AVX2
+// Attention for decoding and verification passes (a few new rows over the KV cache), bf16:
+// the host side, shared by the AVX-512 (avx512_attention.cpp) and AVX2
 // (avx2_attention.cpp) kernels: checks, the new keys and values written into the cache,
 // each row's allowed slots gathered densely in slot order, and the rows spread over
-// threads. Why the rows are gathered so: attention.cpp.
+// threads.
+//
+// Why not torch's kernel: speculative decoding needs each row's result to depend only on
+// the keys that row may see, in their order, not on where they sit in the cache or on
+// what other rows the call has. Torch's CPU kernel sums keys in vector blocks by slot,
+// so a tree node whose ancestors are not in the slots just before it rounds differently
+// from plain decoding of the same tokens (path_attention.py works around that with one
+// call per root-to-leaf path). Here every row gathers its allowed keys densely, in slot
+// order, and all sums run over that dense list in a fixed pattern, so a node's output is
+// bitwise that of plain decoding along its path, for any tree, row count or thread count.
+// It also reads only the keys a row sees, writes the new keys and values into the cache
+// itself, and reads q from the fused qkv product and writes the o-projection's input
+// layout, which saves a handful of tensor operations per layer.
+//
+// Per row: s_i = (q . k_i) / sqrt(hd), bf16 products summed in fp32, then
+// p_i = exp(s_i - max s), out = sum p_i v_i / sum p_i in fp32, rounded to bf16 once.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -16,7 +32,7 @@ using bf16 = c10::BFloat16;
 // allowed: (B or 1, T, start + T) bool, or empty for causal by slot.
 // Returns (B, T, nh hd) bf16, the o-projection's input.
 //
-// attend_group: the kernel's per-group attention (attention.cpp, avx2_attention.cpp), whose
+// attend_group: the kernel's per-group attention (avx512_attention.cpp, avx2_attention.cpp), whose
 // vectors need hd to be a multiple of `lanes`.
 template <typename AttendGroup>
 torch::Tensor cache_attention_with(AttendGroup attend_group, int64_t lanes, torch::Tensor qkv, torch::Tensor keys,

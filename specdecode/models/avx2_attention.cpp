@@ -1,6 +1,6 @@
 // Attention for decoding and verification passes, bf16, eight lanes wide for CPUs with
-// AVX2 and no AVX-512. Why this kernel and not torch's, and the numerics: attention.cpp;
-// the host side (cache writes, each row's allowed slots, threads) is attention_host.h.
+// AVX2 and no AVX-512. Why this kernel and not torch's, the numerics, and the host side
+// (cache writes, each row's allowed slots, threads): attention_host.h.
 // Here q . k multiplies the bf16 values converted to fp32 (no VDPBF16PS), 8 lanes at a time,
 // as two halves: a 256-bit load of 16 bf16 gives the even-indexed values by a shift and
 // the odd ones by a mask, so converting costs one instruction per 8 values. The query
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "attention_host.h"
-#include "avx2_math.h"
+#include "vec.h"
 
 namespace {
 
@@ -47,7 +47,7 @@ void head_scores(const float* qs, const bf16* keys, const int64_t* slots, int64_
         o[h] = _mm256_fmadd_ps(_mm256_loadu_ps(qs + h * hd + c + 8), ko, o[h]);
       }
     }
-    for (int h = 0; h < H; ++h) scores[h * stride + i] = avx2::reduce_add(_mm256_add_ps(e[h], o[h])) * scale;
+    for (int h = 0; h < H; ++h) scores[h * stride + i] = vec::reduce_add(_mm256_add_ps(e[h], o[h])) * scale;
   }
 }
 
@@ -85,23 +85,13 @@ void attend_heads(const float* qs, const bf16* keys, const bf16* values, const i
     float* s = scores + h * stride;
     float top = -INFINITY;
     for (int64_t i = 0; i < m; ++i) top = std::max(top, s[i]);
-    __m256 lanes = _mm256_setzero_ps();
-    for (int64_t i = 0; i < m; i += 8) {
-      const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(m - i, 8))),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      const __m256 x = _mm256_maskload_ps(s + i, live);
-      const __m256 e = _mm256_and_ps(avx2::exp_nonpositive(_mm256_sub_ps(x, _mm256_set1_ps(top))),
-                                     _mm256_castsi256_ps(live));
-      _mm256_maskstore_ps(s + i, live, e);
-      lanes = _mm256_add_ps(lanes, e);
-    }
-    inv_sum[h] = 1.0f / avx2::reduce_add(lanes);
+    inv_sum[h] = vec::exp_shifted_in_place(s, m, top);
   }
   head_sums<H>(scores, stride, values, slots, m, hd, inv_sum, acc);
 }
 
 // The query heads of one group, for one token, over its allowed keys `slots` (ascending).
-// As attention.cpp's attend_group, up to MAX_HEADS heads at a time; scores (group x m) and
+// As avx512_attention.cpp's attend_group, up to MAX_HEADS heads at a time; scores (group x m) and
 // acc (2 group x hd) are scratch.
 void attend_group(const bf16* q, int64_t stride, int64_t group, const bf16* keys, const bf16* values,
                   const std::vector<int64_t>& slots, int64_t hd, float scale, float* scores, float* acc,

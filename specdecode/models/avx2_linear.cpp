@@ -17,10 +17,10 @@
 #include <immintrin.h>
 #include <vector>
 
-#include "avx2_math.h"
 #include "bindings.h"
 #include "kernels.h"
 #include "tile_prefetch.h"
+#include "vec.h"
 
 namespace {
 
@@ -97,8 +97,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
         for (int q = 0; q < 4; ++q) {
           const int64_t n = nb * BLOCK + 8 * q;
           if (n >= N) break;
+          const vec::Live live = vec::live_lanes(N - n);
           const __m256 v = _mm256_loadu_ps(sums.data() + m * BLOCK + 8 * q);
-          avx2::store_bf16(yp + m * N + n, b ? _mm256_add_ps(v, avx2::load_bf16(b + n, N - n)) : v, N - n);
+          vec::store_bf16(yp + m * N + n, b ? _mm256_add_ps(v, vec::load_bf16(b + n, live)) : v, live);
         }
     }
   });

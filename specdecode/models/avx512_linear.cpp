@@ -20,7 +20,7 @@
 
 #include "bindings.h"
 #include "kernels.h"
-#include "simd_math.h"
+#include "vec.h"
 #include "tile_prefetch.h"
 
 namespace {
@@ -115,9 +115,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
         for (int q = 0; q < 4; ++q) {
           const int64_t n = nb * BLOCK + 16 * q;
           if (n >= N) break;
-          const __mmask16 live = simd::live_lanes(N - n);
+          const __mmask16 live = vec::live_lanes(N - n);
           const __m512 v = _mm512_loadu_ps(sums.data() + m * BLOCK + 16 * q);
-          simd::store_bf16(yp + m * N + n, b ? _mm512_add_ps(v, simd::load_bf16(b + n, live)) : v, live);
+          vec::store_bf16(yp + m * N + n, b ? _mm512_add_ps(v, vec::load_bf16(b + n, live)) : v, live);
         }
     }
   });

@@ -1,16 +1,18 @@
 """The project's bf16 kernels: one extension, built once per machine, loaded on demand.
 
-Three builds of the same functions, one per kind of CPU:
-- "amx" (CPUs with AMX, Intel Sapphire Rapids and later): the AMX linear kernel
-  (amx_linear.cpp), the fused small ops of a layer (cpu_ops.cpp) and attention over the
-  cache (attention.cpp), in AVX-512;
-- "avx512" (AVX-512 with AVX512_BF16 and VNNI but no AMX, such as AMD Zen 4): the same ops
-  and attention, with a linear kernel on VDPBF16PS (avx512_linear.cpp);
-- "avx2" (other x86-64 CPUs, such as AMD Zen 3): the same, eight lanes wide
-  (avx2_linear.cpp, avx2_ops.cpp, avx2_attention.cpp).
-All add the rotary embedding (rope.cpp), every layer of a pass in one call
-(decoder_layer.cpp) and the products over quantized GGUF blocks (quant_linear.cpp: AVX2,
-with VNNI's VPDPBUSD where the build has it, and AMX's TDPBSUD for passes over many rows).
+Three builds of the same functions, one per kind of CPU, each with its own bf16 matrix
+product and attention over the cache:
+- "amx" (CPUs with AMX, Intel Sapphire Rapids and later): amx_linear.cpp on AMX tiles,
+  avx512_attention.cpp;
+- "avx512" (AVX-512 with AVX512_BF16 and VNNI but no AMX, such as AMD Zen 4):
+  avx512_linear.cpp on VDPBF16PS, avx512_attention.cpp;
+- "avx2" (other x86-64 CPUs, such as AMD Zen 2 and Zen 3): avx2_linear.cpp and
+  avx2_attention.cpp, on fp32 FMA.
+The rest is written once and compiled by every build at its own width: the fused small
+ops of a layer (ops.cpp, over vec.h's vector type), the rotary embedding (rope.cpp), every
+layer of a pass in one call (decoder_layer.cpp) and the products over quantized GGUF
+blocks (quant_linear.cpp: AVX2, with VNNI's VPDPBUSD where the build has it, and AMX's
+TDPBSUD for passes over many rows).
 
 `kernel()` returns the compiled module, or None where none can run (no AVX2, no compiler)
 so that `Linear` falls back to oneDNN or F.linear. The build (1-3 minutes) goes to
@@ -40,21 +42,17 @@ KERNEL_ENV = "SPECDECODE_KERNEL"
 KINDS = ("amx", "avx512", "avx2")  # the builds, best first
 CHOICES = ("auto", *KINDS, "onednn")
 _HERE = Path(__file__).parent
+_SHARED = ("ops.cpp", "rope.cpp", "decoder_layer.cpp", "quant_linear.cpp")  # written once, every build
 SOURCES = {
-    "amx": [_HERE / n for n in ("amx_linear.cpp", "cpu_ops.cpp", "rope.cpp", "attention.cpp", "decoder_layer.cpp",
-                                "quant_linear.cpp")],
-    "avx512": [_HERE / n for n in ("avx512_linear.cpp", "cpu_ops.cpp", "rope.cpp", "attention.cpp",
-                                   "decoder_layer.cpp", "quant_linear.cpp")],
-    "avx2": [_HERE / n for n in ("avx2_linear.cpp", "avx2_ops.cpp", "rope.cpp", "avx2_attention.cpp",
-                                 "decoder_layer.cpp", "quant_linear.cpp")],
+    "amx": [_HERE / n for n in ("amx_linear.cpp", "avx512_attention.cpp", *_SHARED)],
+    "avx512": [_HERE / n for n in ("avx512_linear.cpp", "avx512_attention.cpp", *_SHARED)],
+    "avx2": [_HERE / n for n in ("avx2_linear.cpp", "avx2_attention.cpp", *_SHARED)],
 }
+_SHARED_HEADERS = ("vec.h", "attention_host.h", "kernels.h", "bindings.h")
 HEADERS = {  # part of the build's key, not compiled alone
-    "amx": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h",
-            _HERE / "amx_tiles.h"],
-    "avx512": [_HERE / "simd_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h",
-               _HERE / "tile_prefetch.h"],
-    "avx2": [_HERE / "avx2_math.h", _HERE / "attention_host.h", _HERE / "kernels.h", _HERE / "bindings.h",
-             _HERE / "tile_prefetch.h"],
+    "amx": [_HERE / n for n in (*_SHARED_HEADERS, "amx_tiles.h")],
+    "avx512": [_HERE / n for n in (*_SHARED_HEADERS, "tile_prefetch.h")],
+    "avx2": [_HERE / n for n in (*_SHARED_HEADERS, "tile_prefetch.h")],
 }
 FLAGS = {
     "amx": ["-O3", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq",

@@ -1,4 +1,4 @@
-"""The small operations of a decoder layer: torch ops, or the fused ones of cpu_ops.cpp.
+"""The small operations of a decoder layer: torch ops, or the fused ones of ops.cpp.
 
 Both compute transformers' Llama numerics (RMSNorm in fp32, rounded to the model dtype
 before the weight; rotate-half rope and SiLU in the model dtype). The fused ones do each
@@ -6,7 +6,7 @@ step in one call instead of several, which matters on CPU where a decoding step'
 tensors cost more in dispatch than in arithmetic. They are used for bf16 when the
 extension is built (kernels.py); fp32 stays on torch, where plain decoding is tested to
 equal transformers' `generate` token for token. The fused set also has the layer's
-attention over the cache (attention.cpp), which torch's ops leave to native.py.
+attention over the cache (attention_host.h), which torch's ops leave to native.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class TorchOps:
         return F.silu(gate) * up
 
 
-_CAUSAL = torch.empty(0, dtype=torch.bool)  # attention.cpp's "no mask": causal by slot
+_CAUSAL = torch.empty(0, dtype=torch.bool)  # the kernels' attention's "no mask": causal by slot
 
 
 class FusedOps:
@@ -88,7 +88,7 @@ class FusedOps:
     @staticmethod
     def cache_attention(roped_qkv, keys, values, start, allowed, num_heads, num_kv_heads):
         """Write the new keys and values at slots start, ... of one layer's cache buffers
-        (B, nkv, max_len, hd) and attend there (attention.cpp): (B, T, nh hd), each row over
+        (B, nkv, max_len, hd) and attend there (attention_host.h): (B, T, nh hd), each row over
         the slots `allowed` (B or 1, T, start + T) lets it see (None: causal by slot)."""
         return kernels.kernel().cache_attention(roped_qkv, keys, values, start, _CAUSAL if allowed is None else allowed,
                                             num_heads, num_kv_heads)

@@ -18,7 +18,7 @@ Batch invariance: a verify pass over k+1 tokens must give the same logits as k+1
 one-token passes, or greedy speculative output drifts from plain decoding. bf16 products
 are row-invariant here. So is bf16 attention on the fused path (passes of up to
 FUSED_MAX_ROWS tokens with the extension built: every decoding and verify pass), whose
-kernel (attention.cpp) sums each row over the keys it sees, densely and in order, so a
+kernel (attention_host.h) sums each row over the keys it sees, densely and in order, so a
 tree pass is exact in one call. torch's attention (fp32, and long prefills) is not: it
 splits keys into blocks by their count, so the rounding of a row depends on how many
 keys the call sees. Such calls therefore attend over whole 512-key blocks of the cache
@@ -276,7 +276,7 @@ class NativeModel:
         # many rows go to torch's threaded ops. Both paths of a generation prefill alike,
         # and every verify pass stays under the bound, so exactness does not change.
         ops, eps = (self.ops if B * T <= FUSED_MAX_ROWS else TorchOps), c.rms_norm_eps
-        if ops is FusedOps:  # attention.cpp: exact for any tree in one call, no additive mask
+        if ops is FusedOps:  # the kernels' attention: exact for any tree in one call, no additive mask
             attention = self._allowed(mask, T, start)
         else:
             plans = plan_paths(mask, start) if mask is not None and B == 1 else None
@@ -347,7 +347,7 @@ class NativeModel:
 
     @staticmethod
     def _allowed(mask: torch.Tensor | None, T: int, start: int) -> torch.Tensor | None:
-        """The boolean mask as attention.cpp takes it: (B or 1, T, start + T), or None (causal)."""
+        """The boolean mask as the kernels' attention takes it: (B or 1, T, start + T), or None (causal)."""
         if mask is None:
             return None
         check_mask_shape(mask, T, start)

@@ -15,7 +15,7 @@ is answered once; a tree with n leaves costs n attention calls per layer instead
 (attention is a small part of a step; the linear layers are shared, one pass).
 
 This is for torch's attention (fp32 models, long passes). bf16 decoding and verify
-passes go through attention.cpp, which is exact for a tree in one call.
+passes go through the kernels' cache attention (attention_host.h), which is exact for a tree in one call.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def measure_verify_curve(model, sizes=VERIFY_SIZES, context: int = 256, repeats:
 def measure_leaf_cost(model, num_leaves: int = 8, context: int = 256, repeats: int = 5) -> float:
     """Seconds each root-to-leaf path beyond the first adds to a tree pass: on torch's
     attention a tree pass attends once per path (models/path_attention.py), on the bf16
-    kernel in one call (models/attention.cpp). Timed as a star of num_leaves
+    kernel in one call (models/attention_host.h). Timed as a star of num_leaves
     children of the root against a chain of as many tokens, interleaved."""
     cache = model.new_cache(1, context + num_leaves + 2)
     model(torch.randint(0, model.vocab_size, (1, context)), cache, num_logits=1)

@@ -1,19 +1,7 @@
-// Attention for decoding and verification passes (a few new rows over the KV cache), bf16.
-//
-// Why not torch's kernel: speculative decoding needs each row's result to depend only on
-// the keys that row may see, in their order, not on where they sit in the cache or on
-// what other rows the call has. Torch's CPU kernel sums keys in vector blocks by slot,
-// so a tree node whose ancestors are not in the slots just before it rounds differently
-// from plain decoding of the same tokens (path_attention.py works around that with one
-// call per root-to-leaf path). Here every row gathers its allowed keys densely, in slot
-// order, and all sums run over that dense list in a fixed pattern, so a node's output is
-// bitwise that of plain decoding along its path, for any tree, row count or thread count.
-// It also reads only the keys a row sees, writes the new keys and values into the cache
-// itself, and reads q from the fused qkv product and writes the o-projection's input
-// layout, which saves a handful of tensor operations per layer.
-//
-// Per row: s_i = (q . k_i) / sqrt(hd), bf16 products summed in fp32, then
-// p_i = exp(s_i - max s), out = sum p_i v_i / sum p_i in fp32, rounded to bf16 once.
+// Attention for decoding and verification passes (a few new rows over the KV cache), bf16,
+// in AVX-512 (the amx and avx512 builds). Why this kernel and not torch's, and the numerics:
+// attention_host.h. Here q . k multiplies bf16 pairs straight (VDPBF16PS), one query head
+// at a time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -22,14 +10,13 @@
 #include <vector>
 
 #include "attention_host.h"
-#include "simd_math.h"
+#include "vec.h"
 
 using bf16 = c10::BFloat16;
 
 namespace {
 
-using simd::exp_nonpositive;
-using simd::load_bf16;
+using vec::load_bf16;
 
 // q . k over hd (a multiple of 16) for bf16 rows: products of bf16 pairs summed in fp32
 // (VDPBF16PS), 32 elements a step, then the 16 lanes; the same instructions for every key.
@@ -88,16 +75,7 @@ void attend_group(const bf16* q, int64_t stride, int64_t group, const bf16* keys
       scores[i] = dot_bf16(qg, keys + slots[i] * hd, hd) * scale;
       top = std::max(top, scores[i]);
     }
-    // p_i = exp(s_i - top) in place; their sum in 16 lanes over the dense list, then the lanes
-    __m512 lanes = _mm512_setzero_ps();
-    for (int64_t i = 0; i < m; i += 16) {
-      const __mmask16 live = simd::live_lanes(m - i);
-      const __m512 s = _mm512_maskz_loadu_ps(live, scores + i);
-      const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(top))));
-      _mm512_mask_storeu_ps(scores + i, live, p);
-      lanes = _mm512_add_ps(lanes, p);
-    }
-    const float inv_sum = 1.0f / _mm512_reduce_add_ps(lanes);
+    const float inv_sum = vec::exp_shifted_in_place(scores, m, top);  // p_i = exp(s_i - top) in place
     // out = sum p_j v_j over j in order, hd / 16 dimensions at a time in registers
     for (int64_t c0 = 0; c0 < chunks; c0 += 8)
       weighted_sum(scores, values, slots, hd, c0, std::min<int64_t>(8, chunks - c0), inv_sum, acc);
