@@ -57,13 +57,42 @@ def test_transformers_timing_measures_the_prefill_apart_from_the_steps():
     assert 5 * STEP_S <= t.decode_s < 5 * STEP_S + SLACK_S
 
 
+@pytest.mark.parametrize("words", [8, 1000, 4096 * 16 + 24, 3 * 2**20 + 8])
+def test_the_kernels_read_of_memory_in_streams_reads_every_byte_once(kernel_module, words):
+    """The bandwidth read must touch the whole buffer, tails included, or its rate would be
+    too high: its checksum equals torch's sum, for every stream count and buffer size."""
+    import torch
+
+    values = torch.randint(-2**40, 2**40, (words,), dtype=torch.int64, generator=torch.Generator().manual_seed(words))
+    for streams in speed.STREAMS + (3, 64):
+        assert kernel_module.read_streams(values, streams) == int(values.sum())
+    with pytest.raises(RuntimeError, match="streams"):
+        kernel_module.read_streams(values, 0)
+
+
+def test_the_bandwidth_limit_is_the_fastest_read_and_says_which(monkeypatch):
+    rates = {"small": [("torch sum", 20e9), ("4 streams a thread", 31e9)],
+             "huge": [("torch sum", 24e9), ("4 streams a thread", 30e9)]}
+    pages = iter(["small", "huge"])
+    monkeypatch.setattr(speed, "_reads", lambda matrix, repeats: rates[next(pages)])
+    assert speed.measure_bandwidth(megabytes=8) == (31e9, "4 streams a thread, small pages")
+
+
+def test_every_read_is_timed_when_the_kernels_run(kernel_module):
+    import torch
+
+    names = [name for name, rate in speed._reads(torch.ones(256, 4096), repeats=1) if rate > 0]
+    assert names == ["torch sum", "torch matrix-vector product", "1 stream a thread", "2 streams a thread",
+                     "4 streams a thread", "8 streams a thread"]
+
+
 @pytest.mark.real
 def test_speed_on_smollm2_runs_both_sides_and_reports(smollm2_folder):
     r = run_speed(str(smollm2_folder), new_tokens=6, repeats=1, log=lambda _: None, bandwidth_megabytes=128)
     for side in ("native", "transformers"):  # measured, not derived: both sides ran and were timed
         assert r[f"{side}_tokens_per_s"] > 0 and r[f"{side}_prefill_s"] > 0
     assert r["prompt_tokens"] > 1 and r["weight_bytes_per_token"] > 0 and r["bandwidth_gb_per_s"] > 0
-    assert "of the limit" in format_speed(r)
+    assert "of the limit" in format_speed(r) and r["bandwidth_read"] in format_speed(r)
 
 
 @pytest.mark.real

@@ -12,9 +12,12 @@ standard-library source instead of the short built-in one: the prefill of a long
 and decoding over its long cache. On a GGUF target, llama.cpp (the optional binding,
 llamacpp_peer.py) is timed the same way on the same file and prompt.
 Beside them stands the physical limit of a decoding step: the weight bytes one step must
-stream, divided by the memory read bandwidth measured in this run: the best of two
-streaming reads (a sum and an fp32 matrix-vector product) of a buffer four times the size
-of the last-level cache, on ordinary and on huge pages.
+stream, divided by the memory read bandwidth measured in this run: the fastest of the
+reads of a 2 GB buffer, on ordinary and on huge pages, that torch makes (a sum, an fp32
+matrix-vector product) and that the kernels make with each thread reading 1, 2, 4 or 8
+runs far apart side by side (bandwidth.cpp): one run a thread falls short of the memory
+system on some CPUs, and the quantized products read several there. `--json` names the
+read that was fastest.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from specdecode.core.engine import decode
 from specdecode.errors import SpecDecodeError
 from specdecode.core.events import Done
 from specdecode.models.huge_pages import on_huge_pages
+from specdecode.models.kernels import kernel
 from specdecode.heads.training.corpus import stdlib_documents
 from specdecode.models.load import load, parse_dtype, quant_format
 from specdecode.policy.costs import measure_verify_curve
@@ -41,34 +45,44 @@ CURVE_SIZES = (1, 2, 4, 8, 16)  # tokens per pass in the reported verify curve
 SPEED_PROMPT = "Write a Python function that checks whether a number is prime, with a docstring."
 
 
-def measure_bandwidth(megabytes: int = 2048, repeats: int = 3) -> float:
-    """Bytes per second of the fastest streaming read of an fp32 buffer of `megabytes`.
+STREAMS = (1, 2, 4, 8)  # runs a thread reads side by side, in the kernels' read
 
-    The buffer must dwarf the last-level cache (480 MB on this machine), or the figure
-    measures the cache: a 50 MB matrix "streams" at 49 GB/s here, a 2 GB buffer at 30.
+
+def measure_bandwidth(megabytes: int = 2048, repeats: int = 3) -> tuple[float, str]:
+    """(bytes per second, which read) of the fastest read of a buffer of `megabytes`.
+
+    The buffer must dwarf the last-level cache (480 MB on the largest here), or the figure
+    measures the cache: a 50 MB matrix "streams" at 49 GB/s there, a 2 GB buffer at 30.
     """
-    cols = 4096
-    vector = torch.ones(1, cols, dtype=torch.float32)
-    best = 0.0
+    best = (0.0, "none")
     for pages in ("small", "huge"):  # the weights stream from huge pages (models/huge_pages.py): so may this
-        matrix = torch.ones(megabytes * 2**20 // 4 // cols, cols, dtype=torch.float32)
+        matrix = torch.ones(megabytes * 2**20 // 4 // 4096, 4096, dtype=torch.float32)
         if pages == "huge":
             matrix = on_huge_pages(matrix)
-        best = max(best, _fastest_read(matrix, vector, repeats))
+        best = max(best, *((rate, f"{name}, {pages} pages") for name, rate in _reads(matrix, repeats)))
         del matrix  # freed before the next buffer is made: a peak of 2 GB, not 4
     return best
 
 
-def _fastest_read(matrix: torch.Tensor, vector: torch.Tensor, repeats: int) -> float:
-    """Bytes per second of the fastest of a sum and a matrix-vector product over matrix."""
-    best = 0.0
-    for read in (lambda: matrix.sum(), lambda: torch.nn.functional.linear(vector, matrix)):
+def _reads(matrix: torch.Tensor, repeats: int) -> list[tuple[str, float]]:
+    """(read, bytes per second of its fastest repeat) for each way of reading matrix."""
+    vector = torch.ones(1, matrix.shape[1], dtype=torch.float32)
+    reads = {"torch sum": lambda: matrix.sum(),
+             "torch matrix-vector product": lambda: torch.nn.functional.linear(vector, matrix)}
+    module = kernel()
+    if module is not None:
+        for n in STREAMS:
+            reads[f"{n} stream{'s' if n > 1 else ''} a thread"] = lambda n=n: module.read_streams(matrix, n)
+    rates = []
+    for name, read in reads.items():
         read()
+        fastest = float("inf")
         for _ in range(repeats):
             t = time.perf_counter()
             read()
-            best = max(best, matrix.numel() * 4 / (time.perf_counter() - t))
-    return best
+            fastest = min(fastest, time.perf_counter() - t)
+        rates.append((name, matrix.numel() * 4 / fastest))
+    return rates
 
 
 @dataclass(frozen=True)
@@ -188,7 +202,7 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
     llamacpp = _time_llamacpp(quant, info.folder, prompt_ids, new_tokens, repeats, log)
     log("timing passes over 1, 2, 4, 8 and 16 tokens")
     curve = measure_verify_curve(model, CURVE_SIZES)
-    bandwidth = measure_bandwidth(bandwidth_megabytes)
+    bandwidth, bandwidth_read = measure_bandwidth(bandwidth_megabytes)
 
     def median(timings: list[Timing], rate: str) -> float | None:
         return round(statistics.median(getattr(t, rate) for t in timings), 3) if timings else None
@@ -222,6 +236,7 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
         "weight_bytes_per_token": model.weight_bytes_per_token,
         "resident_weight_bytes": model.memory_bytes,
         "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
+        "bandwidth_read": bandwidth_read,
         "limit_tokens_per_s": round(limit_tps, 3),
         "fraction_of_limit": round(native_tps / limit_tps, 3),
         "threads": torch.get_num_threads(),
@@ -251,7 +266,7 @@ def format_speed(r: dict) -> str:
     curve = "  ".join(f"v({n}) {v:.2f}" for n, v in r["verify_curve"].items() if n != "1")
     lines += [
         f"  limit         {r['limit_tokens_per_s']:8.2f} tok/s  ({r['weight_bytes_per_token'] / 1e9:.2f} GB per step "
-        f"at {r['bandwidth_gb_per_s']:.1f} GB/s measured)",
+        f"at {r['bandwidth_gb_per_s']:.1f} GB/s measured: {r['bandwidth_read']})",
         f"  native reaches {100 * r['fraction_of_limit']:.0f}% of the limit",
         f"  a pass over n tokens against one ({r['one_token_pass_ms']:.1f} ms, after 256 cached): {curve}",
         f"  weights held  {r['resident_weight_bytes'] / 1e9:.2f} GB",

@@ -16,4 +16,5 @@ inline void define_shared_kernels(pybind11::module& m) {
   m.def("cache_attention", &cache_attention, free_gil);
   m.def("decoder_stack", &decoder_stack, free_gil);
   m.def("quant_linear", &quant_linear, free_gil);
+  m.def("read_streams", &read_streams, free_gil);
 }
