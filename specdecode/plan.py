@@ -40,8 +40,8 @@ def make_drafter(target: LoadedModel, drafter: str | None, draft: str | None, dt
     if drafter == "eagle":
         return eagle_drafter(target, heads)
     draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
-    if drafter == "hybrid":  # without a profile: copies of up to 8, the model's k adaptive
-        return LookupOrModel(draft_model, 8, policy_for(target, draft_model))
+    if drafter == "hybrid":  # without a profile: both parts' lengths adaptive, as each alone
+        return LookupOrModel(draft_model, policy_for(target, PromptLookup()), policy_for(target, draft_model))
     return DraftTree(draft_model, DEFAULT_TREE_WIDTHS) if drafter == "draft-tree" else draft_model
 
 

@@ -282,3 +282,25 @@ def test_a_draft_that_pays_only_near_full_acceptance_is_never_probed():
     assert simulate(policy, lambda r: 1.0, costs, rounds=200) == 1.0
     assert set(policy.history) == {0}
     assert "accepted 90% of the time would gain 1.08x" in policy.describe()
+
+
+def test_the_hybrids_copies_take_the_length_a_pass_here_pays_for():
+    """Without a profile the hybrid copies as far as prompt lookup alone would: short where a
+    pass over many tokens is dear (AMD EPYC Zen 2, quantized: copies of 8 there lost 11-28%
+    on long prompts in `bench`), long where it is nearly free. Each part's policy hears only
+    of its own rounds."""
+    from specdecode.drafters.hybrid import LookupOrModel
+
+    zen2 = CostModel(0.0, (1.0, 1.33, 1.52, 1.70, 2.21, 2.53, 2.85, 3.28, 3.72))
+    context = list(range(20)) * 3 + [0, 1]  # the last tokens occurred before: a copy of up to 18 is there
+    lengths = {}
+    for name, costs in (("dear", zen2), ("flat", CostModel(0.0, FLAT))):
+        never = AdaptiveK(CostModel(0.75, (1.0, 1.19, 1.54, 1.87, 2.21)))  # a model part that never drafts
+        hybrid = LookupOrModel(None, AdaptiveK(costs), never)
+        lengths[name] = len(hybrid.propose(context, k=hybrid.k_max).tokens)
+        assert lengths[name] == best_k(AdaptiveK(costs).alpha, costs, 8)[0]
+        # the target rejected the copy's first token: the lookup part hears of it, the model part not
+        hybrid.propose(context + [99], k=hybrid.k_max)
+        assert hybrid.lookup_policy.positions == 1 and hybrid.lookup_policy.accepted == 0
+        assert hybrid.policy.positions == 0
+    assert lengths["dear"] == 2 and lengths["flat"] > 4

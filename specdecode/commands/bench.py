@@ -124,8 +124,8 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
                                                     lambda lookup=lookup: policy_for(target, lookup))))
         elif name == "prompt-lookup":
             methods.append(Method(name, lookup_k, _ours(target, stop, sampling, seed, PromptLookup(), lookup_k)))
-        elif name == "hybrid":  # copies of up to 8 where the context repeats, else the model, k adaptive
-            hybrid = LookupOrModel(drafter, 8, policy_for(target, drafter))
+        elif name == "hybrid":  # copies where the context repeats, else the model, both lengths adaptive
+            hybrid = LookupOrModel(drafter, policy_for(target, PromptLookup()), policy_for(target, drafter))
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, hybrid, hybrid.k_max)))
         elif name == "adaptive":  # the default: k adaptive on costs measured on this machine
             def policy():  # a fresh policy per generation

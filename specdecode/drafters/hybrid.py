@@ -7,9 +7,11 @@ drafter copies when the context's last `min_ngram` or more tokens occurred befor
 asks the draft model otherwise, so a copy-heavy answer gets both: long free copies, and
 model drafts between them.
 
-The two parts keep their own draft lengths: a fixed `lookup_k` (copies come in bursts,
-which α-based adaptation undervalues), and the draft model's policy (adaptive.py), which
-sees only the model's own rounds. What the target accepted is read from the next
+The two parts keep their own draft lengths, each fixed or adaptive (adaptive.py) and each
+told only of its own rounds: `lookup_k` (a `tune` profile fixes it from probes, since
+copies come in bursts; without one it adapts on this machine's costs, as prompt lookup
+alone does, so that copies stay short where a pass over many tokens is dear, as on AVX2
+CPUs) and `model_k`. What the target accepted is read from the next
 context, as every drafter does: the accepted drafts are the common prefix of the
 proposal and the tokens that followed (a correction token never equals the draft token
 it replaces, greedy or sampled), so the engine needs no extra call.
@@ -21,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from specdecode.core.draft_length import FixedK
+from specdecode.core.draft_length import DraftLength, FixedK
 from specdecode.policy.adaptive import AdaptiveK
 from specdecode.drafters.base import Drafter, Proposal
 from specdecode.drafters.draft_model import DraftModel, _common_prefix
@@ -31,7 +33,8 @@ from specdecode.drafters.prompt_lookup import PromptLookup
 class LookupOrModel(Drafter):
     name = "hybrid"
 
-    def __init__(self, model: DraftModel, lookup_k: int = 8, model_k: int | AdaptiveK = 3, min_ngram: int = 2):
+    def __init__(self, model: DraftModel, lookup_k: int | AdaptiveK = 8, model_k: int | AdaptiveK = 3,
+                 min_ngram: int = 2):
         self.model = model
         self.lookup = PromptLookup(max_ngram=max(3, min_ngram), min_ngram=min_ngram)
         self.lookup_k = lookup_k
@@ -42,19 +45,22 @@ class LookupOrModel(Drafter):
     @property
     def k_max(self) -> int:
         """The longest proposal: the engine's k for this drafter."""
-        return max(self.lookup_k, self.model_k if isinstance(self.model_k, int) else self.model_k.k_max)
+        return max(_longest(self.lookup_k), _longest(self.model_k))
 
     def reset(self) -> None:
-        """A new generation: a fresh policy for the draft model, nothing pending."""
+        """A new generation: fresh policies for both parts, nothing pending."""
         self.lookup.reset()
-        self.policy = FixedK(self.model_k) if isinstance(self.model_k, int) else self.model_k.fresh()
-        self.pending: tuple[int, list[int]] | None = None  # (context length, tokens) of the last model draft
+        self.lookup_policy = _policy(self.lookup_k)
+        self.policy = _policy(self.model_k)
+        self.pending: tuple[DraftLength, int, list[int]] | None = None  # (policy, context length, tokens) last drafted
 
     def propose(self, context: Sequence[int], k: int, sampling=None, generator=None) -> Proposal:
         self._observe(context)
-        copied = self.lookup.propose(context, min(k, self.lookup_k))
+        k_lookup = min(k, self.lookup_policy.next_k())
+        copied = self.lookup.propose(context, k_lookup) if k_lookup else Proposal(torch.empty(0, dtype=torch.long))
         if len(copied.tokens):
             self.rounds["lookup"] += 1
+            self.pending = (self.lookup_policy, len(context), copied.tokens.tolist())
             return copied
         k_model = min(k, self.policy.next_k())
         if k_model < 1:
@@ -62,14 +68,21 @@ class LookupOrModel(Drafter):
             return Proposal(torch.empty(0, dtype=torch.long))
         self.rounds["model"] += 1
         proposal = self.model.propose(context, k_model, sampling, generator)
-        self.pending = (len(context), proposal.tokens.tolist())
+        self.pending = (self.policy, len(context), proposal.tokens.tolist())
         return proposal
 
     def _observe(self, context: Sequence[int]) -> None:
-        """Tell the model's policy how its last draft fared, from what followed it."""
+        """Tell the policy of the part that drafted last how its draft fared, from what followed it."""
         if self.pending is None:
             return
-        start, drafted = self.pending
+        policy, start, drafted = self.pending
         self.pending = None
-        accepted = _common_prefix(drafted, context[start:])
-        self.policy.observe(len(drafted), accepted)
+        policy.observe(len(drafted), _common_prefix(drafted, context[start:]))
+
+
+def _policy(k: int | AdaptiveK) -> DraftLength:
+    return FixedK(k) if isinstance(k, int) else k.fresh()
+
+
+def _longest(k: int | AdaptiveK) -> int:
+    return k if isinstance(k, int) else k.k_max
