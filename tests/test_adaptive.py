@@ -270,18 +270,19 @@ def test_a_draft_nearly_as_slow_as_the_target_never_drafts_even_to_probe():
 
 def test_a_draft_that_pays_only_near_full_acceptance_is_never_probed():
     """The same pair on an AMD EPYC Zen 2 after the quantized products got faster: a draft
-    step costs 0.49 of a target step and a pass over 4 tokens 1.70 (measured there). Drafts
-    always accepted would gain 1.26x, but at α = 0.9, the best a draft model reaches, only
-    1.08x: its probes (each a catch-up over every token since the last) lost 3-18% in
+    step costs 0.47-0.49 of a target step and a pass over 4 tokens 1.68-1.70 (measured
+    there, twice). Drafts always accepted would gain 1.26-1.30x, at α = 0.9, the best a
+    draft model reaches, 1.08-1.15x: whenever it started (probes, each a catch-up over every
+    token since the last, the prompt first) it ran at 0.78-0.97x of plain decoding in
     `bench`. It stays off, and says what α = 0.9 would bring."""
-    costs = CostModel(0.49, (1.0, 1.33, 1.52, 1.70, 2.21, 2.53, 2.85, 3.28, 3.72))
-    assert best_k(1.0, costs, 8)[1] == pytest.approx(1.26, abs=0.01)
-    assert best_k(0.9, costs, 8)[1] == pytest.approx(1.085, abs=0.01)
-    policy = AdaptiveK(costs)
-    assert not can_pay(costs, policy.k_max)
-    assert simulate(policy, lambda r: 1.0, costs, rounds=200) == 1.0
-    assert set(policy.history) == {0}
-    assert "accepted 90% of the time would gain 1.08x" in policy.describe()
+    for costs, at_090 in ((CostModel(0.49, (1.0, 1.33, 1.52, 1.70, 2.21, 2.53, 2.85, 3.28, 3.72)), 1.08),
+                          (CostModel(0.466, (1.0, 1.306, 1.433, 1.677, 2.139, 2.47, 2.794, 3.2, 3.603)), 1.15)):
+        assert best_k(1.0, costs, 8)[1] > 1.25 and round(best_k(0.9, costs, 8)[1], 2) == at_090
+        policy = AdaptiveK(costs)
+        assert not can_pay(costs, policy.k_max)
+        assert simulate(policy, lambda r: 1.0, costs, rounds=200) == 1.0
+        assert set(policy.history) == {0}
+        assert f"accepted 90% of the time would gain {at_090:.2f}x" in policy.describe()
 
 
 def test_the_hybrids_copies_take_the_length_a_pass_here_pays_for():
