@@ -40,8 +40,8 @@ def make_drafter(target: LoadedModel, drafter: str | None, draft: str | None, dt
     if drafter == "eagle":
         return eagle_drafter(target, heads)
     draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
-    if drafter == "hybrid":  # without a profile: both parts' lengths adaptive, as each alone
-        return LookupOrModel(draft_model, policy_for(target, PromptLookup()), policy_for(target, draft_model))
+    if drafter == "hybrid":
+        return default_hybrid(target, draft_model)
     return DraftTree(draft_model, DEFAULT_TREE_WIDTHS) if drafter == "draft-tree" else draft_model
 
 
@@ -99,7 +99,18 @@ def policy_for(target: LoadedModel, drafter) -> AdaptiveK:
     costs measured once on this machine (policy/probe.py), which drafts only as far as it
     pays and switches drafting off where it does not."""
     if isinstance(drafter, PromptLookup):
-        rows = getattr(target.model, "row_invariant_rows", None)  # a pass past it would round differently
-        k_max = LOOKUP_K_MAX if rows is None else min(LOOKUP_K_MAX, rows - 1)
-        return AdaptiveK(measured_costs(target.model, None), k_max=k_max)
+        return lookup_policy(target)
     return AdaptiveK(measured_costs(target.model, drafter.model if isinstance(drafter, DraftModel) else None))
+
+
+def lookup_policy(target: LoadedModel) -> AdaptiveK:
+    """Prompt lookup's adaptive length: free to draft, so up to LOOKUP_K_MAX, as far as the
+    verify costs measured here pay."""
+    rows = getattr(target.model, "row_invariant_rows", None)  # a pass past it would round differently
+    k_max = LOOKUP_K_MAX if rows is None else min(LOOKUP_K_MAX, rows - 1)
+    return AdaptiveK(measured_costs(target.model, None), k_max=k_max)
+
+
+def default_hybrid(target: LoadedModel, draft_model: DraftModel) -> LookupOrModel:
+    """The hybrid without a profile: each part's length adaptive, as it would be alone."""
+    return LookupOrModel(draft_model, lookup_policy(target), policy_for(target, draft_model))

@@ -41,10 +41,9 @@ from specdecode.commands.speed import FirstTokenClock
 from specdecode.models.load import quant_format
 from specdecode.heads.loading import eagle_drafter, medusa_drafter
 from specdecode.options import BENCH_METHODS as METHODS, DEFAULT_DRAFT, DEFAULT_TARGET, PEER_LOOKUP_K
-from specdecode.plan import make_draft_model, policy_for, tuned_drafter
+from specdecode.plan import default_hybrid, make_draft_model, policy_for, tuned_drafter
 from specdecode.drafters import PromptLookup
 from specdecode.drafters.draft_tree import DraftTree
-from specdecode.drafters.hybrid import LookupOrModel
 from specdecode.core.engine import decode
 from specdecode.errors import SpecDecodeError
 from specdecode.core.events import Stats, collect
@@ -125,7 +124,7 @@ def build_methods(target, draft, names, ks, lookup_k, profile, stop, sampling, s
         elif name == "prompt-lookup":
             methods.append(Method(name, lookup_k, _ours(target, stop, sampling, seed, PromptLookup(), lookup_k)))
         elif name == "hybrid":  # copies where the context repeats, else the model, both lengths adaptive
-            hybrid = LookupOrModel(drafter, policy_for(target, PromptLookup()), policy_for(target, drafter))
+            hybrid = default_hybrid(target, drafter)
             methods.append(Method(name, None, _ours(target, stop, sampling, seed, hybrid, hybrid.k_max)))
         elif name == "adaptive":  # the default: k adaptive on costs measured on this machine
             def policy():  # a fresh policy per generation
