@@ -396,13 +396,12 @@ inline void prefetch_block(const uint8_t* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_T0);
 }
 
-// Group g's share of the lines of a repacked block at p (its bytes split evenly by group;
-// a line two shares touch is fetched twice): PREFETCH_SPREAD's prefetches.
-template <typename Block>
-inline void prefetch_share(const uint8_t* p, int g) {
-  constexpr int64_t share = Block::BYTES / Block::GROUPS;
+// Group g's share (of `groups`) of the lines of a repacked block of `bytes` at p, split
+// evenly (a line two shares touch is fetched twice): PREFETCH_SPREAD's prefetches.
+inline void prefetch_group_share(const uint8_t* p, int64_t bytes, int64_t groups, int g) {
+  const int64_t share = bytes / groups;
   const uintptr_t at = reinterpret_cast<uintptr_t>(p) + g * share;
-  const uintptr_t end = g + 1 == Block::GROUPS ? reinterpret_cast<uintptr_t>(p) + Block::BYTES : at + share;
+  const uintptr_t end = g + 1 == groups ? reinterpret_cast<uintptr_t>(p) + bytes : at + share;
   for (uintptr_t line = at & ~uintptr_t{63}; line < end; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
 }
 
@@ -415,6 +414,7 @@ inline void prefetch_share(const uint8_t* p, int g) {
 struct Q4KX8 : Lanes8 {
   static constexpr int64_t BYTES = Q4_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;
   void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
+  void prefetch_share(const uint8_t* b, int g) const { prefetch_group_share(b, BYTES, GROUPS, g); }
   const uint8_t* blk;
   __m256 d, dmin;
   __m256i v[8], scale, scale32;
@@ -469,6 +469,7 @@ struct Q4KX8 : Lanes8 {
 struct Q6KX8 : Lanes8 {
   static constexpr int64_t BYTES = Q6_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;
   void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
+  void prefetch_share(const uint8_t* b, int g) const { prefetch_group_share(b, BYTES, GROUPS, g); }
   const uint8_t* blk;
   __m256 d;
   __m256i v[8], first, second, first32, second32;
@@ -542,6 +543,7 @@ inline __m256 eight_halves(const uint8_t* p) {
 struct Q80X8 : Lanes8 {
   static constexpr int64_t BYTES = Q8_0_X8_BYTES, VALUES = QK8_0, GROUPS = 1;
   void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
+  void prefetch_share(const uint8_t* b, int g) const { prefetch_group_share(b, BYTES, GROUPS, g); }
   const uint8_t* blk;
   __m256 d;
   __m256i v[8];
@@ -592,6 +594,7 @@ struct Q80X8 : Lanes8 {
 struct Q50X8 : Lanes8 {
   static constexpr int64_t BYTES = Q5_0_X8_BYTES, VALUES = QK8_0, GROUPS = 1;
   void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
+  void prefetch_share(const uint8_t* b, int g) const { prefetch_group_share(b, BYTES, GROUPS, g); }
   const uint8_t* blk;
   __m256 d;
   __m256i v[8];
@@ -701,6 +704,10 @@ struct Q4KPair : Lanes16 {
     prefetch_block(b, BYTES);
     prefetch_block(b + stride, BYTES);
   }
+  void prefetch_share(const uint8_t* b, int g) const {
+    prefetch_group_share(b, BYTES, GROUPS, g);
+    prefetch_group_share(b + stride, BYTES, GROUPS, g);
+  }
 
   void load(const uint8_t* b) {
     blk = b;
@@ -772,6 +779,10 @@ struct Q6KPair : Lanes16 {
   void prefetch(const uint8_t* b) const {
     prefetch_block(b, BYTES);
     prefetch_block(b + stride, BYTES);
+  }
+  void prefetch_share(const uint8_t* b, int g) const {
+    prefetch_group_share(b, BYTES, GROUPS, g);
+    prefetch_group_share(b + stride, BYTES, GROUPS, g);
   }
 
   void load(const uint8_t* b) {
@@ -872,7 +883,7 @@ void x8_group_rows(const Block& kind, const uint8_t* base, int64_t b0, int64_t b
     block.load(blk);
     for (int m = 0; m < R; ++m) sum[m] = Block::zero_int();
     for (int g = 0; g < Block::GROUPS; ++g) {
-      if constexpr (PREFETCH_SPREAD) prefetch_share<Block>(blk + prefetch_blocks * Block::BYTES, g);
+      if constexpr (PREFETCH_SPREAD) block.prefetch_share(blk + prefetch_blocks * Block::BYTES, g);
       block.unpack(g);
       for (int m = 0; m < R; ++m) sum[m] = Block::add(sum[m], block.dot(in.at(m, b, g)));
     }
@@ -900,7 +911,7 @@ void x8_streams_rows(const uint8_t* const* bases, int64_t blocks, const Q8Row* x
       block.load(blk);
       for (int m = 0; m < R; ++m) sum[m] = Block::zero_int();
       for (int g = 0; g < Block::GROUPS; ++g) {
-        if constexpr (PREFETCH_SPREAD) prefetch_share<Block>(blk + prefetch_blocks * Block::BYTES, g);
+        if constexpr (PREFETCH_SPREAD) block.prefetch_share(blk + prefetch_blocks * Block::BYTES, g);
         block.unpack(g);
         for (int m = 0; m < R; ++m) sum[m] = Block::add(sum[m], block.dot(in.at(m, b, g)));
       }
