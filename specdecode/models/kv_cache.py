@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from specdecode.models.huge_pages import zeros_on_huge_pages
+
 # Buffers are a whole number of the CPU attention kernel's key blocks (see native.py).
 BLOCK = 512
 
@@ -27,8 +29,11 @@ class KVCache:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         max_len = -(-max_len // BLOCK) * BLOCK
         shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        if torch.device(device).type == "cpu":  # attention reads each layer's keys cold: 2 MB pages
+            self.keys, self.values = zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype)
+        else:
+            self.keys = torch.zeros(shape, dtype=dtype, device=device)
+            self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0  # slots [0, length) hold valid entries
 
     @property

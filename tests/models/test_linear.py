@@ -48,3 +48,22 @@ def test_packed_weights_live_on_huge_pages_where_the_kernel_allows():
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if mode.exists() and ("[madvise]" in mode.read_text() or "[always]" in mode.read_text()):
         assert _anon_huge_kb(moved.data_ptr()) >= 8 * 1024  # most of its 16 MB on 2 MB pages
+
+
+def test_small_weights_share_huge_page_regions_and_caches_start_as_zeros():
+    from specdecode.models.huge_pages import ALIGN, HUGE, on_huge_pages, zeros_on_huge_pages
+
+    parts = [torch.randn(300, 1000 + i) for i in range(6)]  # 1.2 MB each: under a huge page
+    moved = [on_huge_pages(p) for p in parts]
+    assert all(torch.equal(m, p) and m.is_contiguous() and m.data_ptr() % ALIGN == 0 for m, p in zip(moved, parts))
+    starts = sorted(m.data_ptr() for m in moved)
+    assert sum(b - a < HUGE for a, b in zip(starts, starts[1:])) >= 4  # neighbours, not a mapping each
+    cache = zeros_on_huge_pages((2, 3, 2048, 128), torch.bfloat16)  # 3 MB
+    assert cache.shape == (2, 3, 2048, 128) and cache.dtype == torch.bfloat16 and not cache.any()
+    cache[1, 2, 7] = 1.5
+    assert cache.sum().item() == 1.5 * 128
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if mode.exists() and ("[madvise]" in mode.read_text() or "[always]" in mode.read_text()):
+        cache.fill_(1)
+        assert _anon_huge_kb(cache.data_ptr()) >= 2 * 1024
+        assert _anon_huge_kb(moved[0].data_ptr()) >= 2 * 1024
