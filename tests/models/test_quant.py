@@ -144,6 +144,26 @@ def test_stacked_parts_of_mixed_types_equal_their_products_side_by_side(kernel_m
     assert torch.equal(layer(x), (apart + bias.float()).to(torch.bfloat16))
 
 
+def test_inputs_and_outputs_convert_as_torch_converts_them(kernel_module):
+    # bf16 inputs are widened, and outputs rounded back with the bias added, inside the call:
+    # bitwise torch's x.float(), y + bias and .to(bfloat16), for any width (20 + 24 outputs
+    # leave a tail past the last eight) and for inputs that arrive in pieces
+    parts = [random_blocks(T.Q4_K, 20, 768, 21), random_blocks(T.Q6_K, 24, 768, 22)]
+    layouts = [kernel_layout(p) for p in parts]
+    bias = torch.randn(44, generator=torch.Generator().manual_seed(23))
+    x = torch.randn(37, 768, generator=torch.Generator().manual_seed(24)) * 40
+    fp32 = kernel_module.quant_linear(x.bfloat16().float(), layouts, None, 44)
+    assert fp32.dtype == torch.float32
+    assert torch.equal(kernel_module.quant_linear(x.bfloat16().float(), layouts, bias, 44), fp32 + bias)
+    from_bf16 = kernel_module.quant_linear(x.bfloat16(), layouts, bias, 44)
+    assert from_bf16.dtype == torch.bfloat16 and torch.equal(from_bf16, (fp32 + bias).bfloat16())
+    assert torch.equal(kernel_module.quant_linear(x.bfloat16(), layouts, bias.bfloat16(), 44),
+                       (fp32 + bias.bfloat16().float()).bfloat16())
+    wide = torch.cat([x, x], dim=1).bfloat16()[:, ::2]  # not contiguous
+    assert torch.equal(kernel_module.quant_linear(wide, layouts, None, 44),
+                       kernel_module.quant_linear(wide.contiguous(), layouts, None, 44))
+
+
 @pytest.mark.parametrize("rows", [(16, 24), (4, 4)])  # whole groups of eight; parts that only fill one merged
 def test_layouts_made_ahead_stack_to_the_layout_of_the_stacked_blocks(rows):
     plain = [random_blocks(T.Q4_K, n, 512, seed) for seed, n in enumerate(rows)]
