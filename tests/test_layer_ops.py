@@ -31,6 +31,10 @@ def test_residual_add_rope_and_silu_are_bitwise_the_torch_ops():
     assert torch.equal(FusedOps.silu_mul(gate_up), TorchOps.silu_mul(gate_up))
     row = FusedOps.silu_mul(gate_up[:1, :1])
     assert torch.equal(row, FusedOps.silu_mul(gate_up)[:1, :1])  # a row does not depend on the others
+    wide = randn(1, 12, 2 * 4096, scale=4, seed=4)  # rows enough to be split between threads
+    assert torch.equal(FusedOps.silu_mul(wide), TorchOps.silu_mul(wide))
+    assert torch.equal(torch.cat([FusedOps.silu_mul(wide[:, i:i + 1]) for i in range(12)], dim=1),
+                       FusedOps.silu_mul(wide))
 
 
 def test_silu_is_the_torch_op_wherever_its_exp_is_not_clamped():

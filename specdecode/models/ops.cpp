@@ -8,7 +8,9 @@
 // alone, so a row's result never depends on how many rows a call has. Written once over
 // vec.h: every build compiles this file at its own lane width.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <algorithm>
 #include <cmath>
 
 #include "kernels.h"
@@ -77,15 +79,19 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   const bf16* g = gate_up.data_ptr<bf16>();
   bf16* yp = y.data_ptr<bf16>();
   const F one = vec::set1(1.f);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < I; j += LANES) {
-      const vec::Live live = live_lanes(I - j);
-      const F gate = vec::load_bf16(g + r * 2 * I + j, live);
-      const F up = vec::load_bf16(g + r * 2 * I + I + j, live);
-      const F e = vec::exp_nonpositive(vec::negative_abs(gate));
-      const F numerator = vec::where_negative(gate, vec::mul(gate, e), gate);
-      const F silu = vec::round_bf16(vec::div(numerator, vec::add(one, e)));
-      vec::store_bf16(yp + r * I + j, vec::mul(silu, up), live);
-    }
+  // rows split between the threads from four rows of a 1.5B model's width (a verify pass's
+  // exps and divisions take longer than waking a thread); a decoding step's one row stays here
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 15) / I), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < I; j += LANES) {
+        const vec::Live live = live_lanes(I - j);
+        const F gate = vec::load_bf16(g + r * 2 * I + j, live);
+        const F up = vec::load_bf16(g + r * 2 * I + I + j, live);
+        const F e = vec::exp_nonpositive(vec::negative_abs(gate));
+        const F numerator = vec::where_negative(gate, vec::mul(gate, e), gate);
+        const F silu = vec::round_bf16(vec::div(numerator, vec::add(one, e)));
+        vec::store_bf16(yp + r * I + j, vec::mul(silu, up), live);
+      }
+  });
   return y;
 }
