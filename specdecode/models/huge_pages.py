@@ -13,7 +13,8 @@ while each page costs a table walk. Qwen2.5-1.5B Q4_K_M, one-token steps after 2
 Intel Xeon with AMX, 2 threads, two runs each: the q|k|v products took 10.2-12.3 ms of a
 step on 4 KB pages and 5.0-6.1 in shared regions, the o products 6.2-10.1 and 3.1-3.2, the
 whole step 79-85 and 67-76. That was with the machine's caches under load from elsewhere
-(steps of 67-85 ms); in a quieter hour (steps of 47-60 ms) the two were alike. The key/value cache goes on huge pages too
+(steps of 67-85 ms); in a quieter hour (steps of 47-60 ms) the two were alike, as earlier
+tries on quiet machines had found (AMD EPYC Zen 3 and Intel Xeon). The key/value cache goes on huge pages too
 (zeros_on_huge_pages): attention reads each layer's keys cold as well.
 """
 
