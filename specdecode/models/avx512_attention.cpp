@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -31,56 +32,75 @@ inline float dot_bf16(const bf16* q, const bf16* k, int64_t hd) {
   return _mm512_reduce_add_ps(sum);
 }
 
-// acc[16 c0 .. 16 (c0 + n)) = inv_sum * sum_j p_j v_{slots[j]}, n <= 8 chunks of 16, each
-// dimension summed over j in order; the accumulators stay in registers.
-template <int N>
-inline void weighted_sum_n(const float* p, const bf16* values, const std::vector<int64_t>& slots, int64_t hd,
-                           int64_t c0, float inv_sum, float* acc) {
-  __m512 a[N];
-  for (int c = 0; c < N; ++c) a[c] = _mm512_setzero_ps();
+template <int H, int C>
+inline void weighted_sums(const float* p, int64_t p_stride, const bf16* values, const std::vector<int64_t>& slots,
+                          int64_t hd, int64_t c0, const float* inv_sum, float* acc, int64_t acc_stride) {
+  __m512 a[H][C];
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c) a[h][c] = _mm512_setzero_ps();
   const int64_t m = static_cast<int64_t>(slots.size());
   for (int64_t j = 0; j < m; ++j) {
     const bf16* v = values + slots[j] * hd + 16 * c0;
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < N; ++c) a[c] = _mm512_fmadd_ps(pj, load_bf16(v + 16 * c), a[c]);
+    __m512 vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = load_bf16(v + 16 * c);
+    for (int h = 0; h < H; ++h) {
+      const __m512 pj = _mm512_set1_ps(p[h * p_stride + j]);
+      for (int c = 0; c < C; ++c) a[h][c] = _mm512_fmadd_ps(pj, vc[c], a[h][c]);
+    }
   }
-  for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + 16 * (c0 + c), _mm512_mul_ps(a[c], _mm512_set1_ps(inv_sum)));
+  for (int h = 0; h < H; ++h)
+    for (int c = 0; c < C; ++c)
+      _mm512_storeu_ps(acc + h * acc_stride + 16 * (c0 + c), _mm512_mul_ps(a[h][c], _mm512_set1_ps(inv_sum[h])));
 }
-
-inline void weighted_sum(const float* p, const bf16* values, const std::vector<int64_t>& slots, int64_t hd,
-                         int64_t c0, int64_t n, float inv_sum, float* acc) {
+template <int H>
+inline void weighted_sums_chunks(const float* p, int64_t p_stride, const bf16* values,
+                                 const std::vector<int64_t>& slots, int64_t hd, int64_t c0, int64_t n,
+                                 const float* inv_sum, float* acc, int64_t acc_stride) {
   switch (n) {
-    case 1: return weighted_sum_n<1>(p, values, slots, hd, c0, inv_sum, acc);
-    case 2: return weighted_sum_n<2>(p, values, slots, hd, c0, inv_sum, acc);
-    case 3: return weighted_sum_n<3>(p, values, slots, hd, c0, inv_sum, acc);
-    case 4: return weighted_sum_n<4>(p, values, slots, hd, c0, inv_sum, acc);
-    case 5: return weighted_sum_n<5>(p, values, slots, hd, c0, inv_sum, acc);
-    case 6: return weighted_sum_n<6>(p, values, slots, hd, c0, inv_sum, acc);
-    case 7: return weighted_sum_n<7>(p, values, slots, hd, c0, inv_sum, acc);
-    default: return weighted_sum_n<8>(p, values, slots, hd, c0, inv_sum, acc);
+    case 1: return weighted_sums<H, 1>(p, p_stride, values, slots, hd, c0, inv_sum, acc, acc_stride);
+    case 2: return weighted_sums<H, 2>(p, p_stride, values, slots, hd, c0, inv_sum, acc, acc_stride);
+    case 3: return weighted_sums<H, 3>(p, p_stride, values, slots, hd, c0, inv_sum, acc, acc_stride);
+    default: return weighted_sums<H, 4>(p, p_stride, values, slots, hd, c0, inv_sum, acc, acc_stride);
   }
 }
-
-// The query heads of one group, for one token, over its allowed keys `slots` (ascending).
-// q: group rows of hd bf16, `stride` apart; keys, values (max_len, hd) bf16; out: group
-// rows of hd bf16, `stride_out` apart. scratch: scores (m), acc (hd).
+inline void weighted_sums_heads(const float* p, int64_t p_stride, const bf16* values,
+                                const std::vector<int64_t>& slots, int64_t hd, int64_t chunks, int64_t n,
+                                const float* inv_sum, float* acc, int64_t acc_stride) {
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    const int64_t cn = std::min<int64_t>(4, chunks - c0);
+    switch (n) {
+      case 1: weighted_sums_chunks<1>(p, p_stride, values, slots, hd, c0, cn, inv_sum, acc, acc_stride); break;
+      case 2: weighted_sums_chunks<2>(p, p_stride, values, slots, hd, c0, cn, inv_sum, acc, acc_stride); break;
+      case 3: weighted_sums_chunks<3>(p, p_stride, values, slots, hd, c0, cn, inv_sum, acc, acc_stride); break;
+      case 4: weighted_sums_chunks<4>(p, p_stride, values, slots, hd, c0, cn, inv_sum, acc, acc_stride); break;
+      case 5: weighted_sums_chunks<5>(p, p_stride, values, slots, hd, c0, cn, inv_sum, acc, acc_stride); break;
+      default: weighted_sums_chunks<6>(p, p_stride, values, slots, hd, c0, cn, inv_sum, acc, acc_stride); break;
+    }
+  }
+}
 void attend_group(const bf16* q, int64_t stride, int64_t group, const bf16* keys, const bf16* values,
                   const std::vector<int64_t>& slots, int64_t hd, float scale, float* scores, float* acc,
                   bf16* out, int64_t stride_out) {
   const int64_t m = static_cast<int64_t>(slots.size()), chunks = hd / 16;
-  for (int64_t g = 0; g < group; ++g) {
-    const bf16* qg = q + g * stride;
-    float top = -INFINITY;
-    for (int64_t i = 0; i < m; ++i) {
-      scores[i] = dot_bf16(qg, keys + slots[i] * hd, hd) * scale;
-      top = std::max(top, scores[i]);
+  constexpr int64_t MAX_HEADS = 6;
+  float inv_sum[MAX_HEADS];
+  for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
+    const int64_t n = std::min(MAX_HEADS, group - g0);
+    for (int64_t h = 0; h < n; ++h) {
+      const bf16* qg = q + (g0 + h) * stride;
+      float* s = scores + h * m;
+      float top = -INFINITY;
+      for (int64_t i = 0; i < m; ++i) {
+        s[i] = dot_bf16(qg, keys + slots[i] * hd, hd) * scale;
+        top = std::max(top, s[i]);
+      }
+      inv_sum[h] = vec::exp_shifted_in_place(s, m, top);
     }
-    const float inv_sum = vec::exp_shifted_in_place(scores, m, top);  // p_i = exp(s_i - top) in place
-    // out = sum p_j v_j over j in order, hd / 16 dimensions at a time in registers
-    for (int64_t c0 = 0; c0 < chunks; c0 += 8)
-      weighted_sum(scores, values, slots, hd, c0, std::min<int64_t>(8, chunks - c0), inv_sum, acc);
-    bf16* o = out + g * stride_out;
-    for (int64_t d = 0; d < hd; ++d) o[d] = bf16(acc[d]);
+    weighted_sums_heads(scores, m, values, slots, hd, chunks, n, inv_sum, acc, hd);
+    for (int64_t h = 0; h < n; ++h) {
+      bf16* o = out + (g0 + h) * stride_out;
+      for (int64_t d = 0; d < hd; ++d) o[d] = bf16(acc[h * hd + d]);
+    }
   }
 }
 
