@@ -32,6 +32,11 @@ inline float dot_bf16(const bf16* q, const bf16* k, int64_t hd) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// For H heads of a group at once: acc_h[16 c0 .. 16 (c0 + C)) = inv_sum_h * sum_j p_hj v_{slots[j]},
+// each dimension summed over j in order with one FMA a key, as a head alone sums it; each
+// value row's chunks are widened from bf16 once for all H heads. p: the heads'
+// probabilities, `p_stride` apart; acc: their outputs, `acc_stride` apart. H x C <= 24
+// accumulators and C widened chunks stay in registers.
 template <int H, int C>
 inline void weighted_sums(const float* p, int64_t p_stride, const bf16* values, const std::vector<int64_t>& slots,
                           int64_t hd, int64_t c0, const float* inv_sum, float* acc, int64_t acc_stride) {
@@ -52,6 +57,7 @@ inline void weighted_sums(const float* p, int64_t p_stride, const bf16* values, 
     for (int c = 0; c < C; ++c)
       _mm512_storeu_ps(acc + h * acc_stride + 16 * (c0 + c), _mm512_mul_ps(a[h][c], _mm512_set1_ps(inv_sum[h])));
 }
+
 template <int H>
 inline void weighted_sums_chunks(const float* p, int64_t p_stride, const bf16* values,
                                  const std::vector<int64_t>& slots, int64_t hd, int64_t c0, int64_t n,
@@ -63,6 +69,8 @@ inline void weighted_sums_chunks(const float* p, int64_t p_stride, const bf16* v
     default: return weighted_sums<H, 4>(p, p_stride, values, slots, hd, c0, inv_sum, acc, acc_stride);
   }
 }
+
+// weighted_sums for heads [0, n) of a group (n <= 6), the chunks four at a time.
 inline void weighted_sums_heads(const float* p, int64_t p_stride, const bf16* values,
                                 const std::vector<int64_t>& slots, int64_t hd, int64_t chunks, int64_t n,
                                 const float* inv_sum, float* acc, int64_t acc_stride) {
@@ -78,11 +86,17 @@ inline void weighted_sums_heads(const float* p, int64_t p_stride, const bf16* va
     }
   }
 }
+
+// The query heads of one group, for one token, over its allowed keys `slots` (ascending).
+// q: group rows of hd bf16, `stride` apart; keys, values (max_len, hd) bf16; out: group
+// rows of hd bf16, `stride_out` apart. scratch: scores (group x m), acc (group x hd). Each
+// head's scores, softmax and weighted sum are its own; heads share only the widening of
+// each value row, so a head's output is bitwise what it alone gives.
 void attend_group(const bf16* q, int64_t stride, int64_t group, const bf16* keys, const bf16* values,
                   const std::vector<int64_t>& slots, int64_t hd, float scale, float* scores, float* acc,
                   bf16* out, int64_t stride_out) {
   const int64_t m = static_cast<int64_t>(slots.size()), chunks = hd / 16;
-  constexpr int64_t MAX_HEADS = 6;
+  constexpr int64_t MAX_HEADS = 6;  // 6 heads x 4 chunks of accumulators in registers
   float inv_sum[MAX_HEADS];
   for (int64_t g0 = 0; g0 < group; g0 += MAX_HEADS) {
     const int64_t n = std::min(MAX_HEADS, group - g0);
@@ -94,7 +108,7 @@ void attend_group(const bf16* q, int64_t stride, int64_t group, const bf16* keys
         s[i] = dot_bf16(qg, keys + slots[i] * hd, hd) * scale;
         top = std::max(top, s[i]);
       }
-      inv_sum[h] = vec::exp_shifted_in_place(s, m, top);
+      inv_sum[h] = vec::exp_shifted_in_place(s, m, top);  // p_i = exp(s_i - top) in place
     }
     weighted_sums_heads(scores, m, values, slots, hd, chunks, n, inv_sum, acc, hd);
     for (int64_t h = 0; h < n; ++h) {

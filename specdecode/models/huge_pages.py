@@ -14,13 +14,14 @@ Intel Xeon with AMX, 2 threads, two runs each: the q|k|v products took 10.2-12.3
 step on 4 KB pages and 5.0-6.1 in shared regions, the o products 6.2-10.1 and 3.1-3.2, the
 whole step 79-85 and 67-76. That was with the machine's caches under load from elsewhere
 (steps of 67-85 ms); in a quieter hour (steps of 47-60 ms) the two were alike, as earlier
-tries on quiet machines had found (AMD EPYC Zen 3 and Intel Xeon). The key/value cache goes on huge pages too
-(zeros_on_huge_pages): attention reads each layer's keys cold as well.
+tries on quiet machines had found (AMD EPYC Zen 3 and Intel Xeon). The key/value cache
+goes on huge pages too (zeros_on_huge_pages): attention reads each layer's keys cold.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import threading
 
@@ -90,9 +91,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     """A CPU tensor of zeros in a mapping of its own advised for huge pages (from 2 MB on;
     smaller ones are ordinary torch.zeros). A fresh anonymous mapping reads as zeros, and
     its pages are only taken as they are first written."""
-    count = 1
-    for size in shape:
-        count *= size
+    count = math.prod(shape)
     nbytes = count * torch.empty(0, dtype=dtype).element_size()
     if nbytes < HUGE or not _usable():
         return torch.zeros(shape, dtype=dtype)
