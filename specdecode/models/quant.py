@@ -105,7 +105,7 @@ def stacked_layouts(parts: list[QuantTensor]) -> list[tuple[GGMLQuantizationType
 
 X8_ROWS = 8  # rows a repacked block interleaves
 X8_BYTES = {GGMLQuantizationType.Q4_K: 1216,  # d and dmin (fp32), scales and mins (a byte each), 1024 of nibbles
-            GGMLQuantizationType.Q6_K: 1696,  # d (fp32), scales (a byte each), 1024 of nibbles, 512 of top bits
+            GGMLQuantizationType.Q6_K: 1696,  # d (fp32), scales (a byte each), per group 128 of nibbles, 64 of top bits
             GGMLQuantizationType.Q8_0: 272,  # d (fp16), 256 values (a byte each)
             GGMLQuantizationType.Q5_0: 176}  # d (fp16), 128 of nibbles, 32 of fifth bits
 
@@ -153,9 +153,11 @@ def repack_q4_k_x8(data: torch.Tensor) -> torch.Tensor:
 def repack_q6_k_x8(data: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks (rows, blocks, 210) -> eight rows interleaved per block (rows / 8, blocks,
     1696), as quant_linear.cpp's Q6KX8 reads them: the rows' d (fp32), int8 scales [pair of groups of
-    16][row][2], the low four bits of the values (_interleave_nibbles), then per group g of
-    32 and half h, 32 bytes whose byte 4r + i holds the top two bits of row r's values
-    32g + 16h + 4k + i at bits 2k, 2k + 1. The values and scales are the file's, unchanged."""
+    16][row][2], then for each group g of 32 values its 192 bytes: the low four bits of its
+    values (128, _interleave_nibbles' group g), then for each half h, 32 bytes whose byte
+    4r + i holds the top two bits of row r's values 32g + 16h + 4k + i at bits 2k, 2k + 1.
+    A group's bytes lie together so that a pass reads each block front to back. The values
+    and scales are the file's, unchanged."""
     raw = data.numpy()
     rows, blocks, _ = raw.shape
     groups = rows // X8_ROWS
@@ -170,10 +172,12 @@ def repack_q6_k_x8(data: torch.Tensor) -> torch.Tensor:
     values = values.reshape(rows, blocks, 8, 32)
     top = (values >> 4).reshape(groups, X8_ROWS, blocks, 8, 2, 4, 4)  # value 16h + 4k + i of group g
     top = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
-    top = top.transpose(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 512)  # (groups, blocks, g, h, r, i)
+    top = top.transpose(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 8, 64)  # (groups, blocks, g, h, r, i)
+    low = _interleave_nibbles(values & 0xF).reshape(groups, blocks, 8, 128)
+    by_group = np.concatenate([low, top], axis=-1).reshape(groups, blocks, 8 * 192)
     paired = np.moveaxis(_rows_last(scales.reshape(rows, blocks, 8, 2), groups), -1, -2)  # [pair][row][2]
     parts = [np.ascontiguousarray(_rows_last(d, groups)).view(np.uint8), paired.reshape(groups, blocks, 128),
-             _interleave_nibbles(values & 0xF), top]
+             by_group]
     return torch.from_numpy(np.concatenate(parts, axis=-1))
 
 

@@ -461,11 +461,15 @@ struct Q4KX8 : Lanes8 {
 };
 
 // Q6_K (repack_q6_k_x8): per block, the eight rows' d (fp32), their int8 scales by pair of
-// groups of 16 ([pair][row][2]), the low four bits of the values laid out as Q4KX8's
-// nibbles, then per group of 32 and each half of it, 32 bytes whose byte 4r + i holds the
-// top two bits of row r's values 32g + 16h + 4k + i at bits 2k, 2k + 1. Values are 0-63,
-// so two products add as int16 (at most 2 x 2 x 63 x 127 = 32004) before a scale applies;
-// the -32 of every value is carried by the scales times the inputs' sums of 16.
+// groups of 16 ([pair][row][2]), then each group of 32 values in 192 bytes: their low four
+// bits laid out as Q4KX8's nibbles, then for each half of the group 32 bytes whose byte
+// 4r + i holds the top two bits of row r's values 32g + 16h + 4k + i at bits 2k, 2k + 1.
+// Values are 0-63, so two products add as int16 (at most 2 x 2 x 63 x 127 = 32004) before
+// a scale applies; the -32 of every value is carried by the scales times the inputs' sums
+// of 16. A group's bytes lie together so a block is read front to back, as the hardware
+// prefetcher follows best: with the top bits in a second run after all the nibbles, AMD
+// EPYC Zen 4 (2 threads) streamed Qwen2.5-1.5B's LM head shape (193 MB of random blocks)
+// in 8.1 ms for one row and 10.2 for two, where so it takes 6.1 and 6.5 (a plain read 5.5).
 struct Q6KX8 : Lanes8 {
   static constexpr int64_t BYTES = Q6_K_X8_BYTES, VALUES = QK_K, GROUPS = 8;
   void prefetch(const uint8_t* b) const { prefetch_block(b, BYTES); }
@@ -488,9 +492,9 @@ struct Q6KX8 : Lanes8 {
     second32 = _mm256_srai_epi32(pair, 16);
     const __m256i low = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
     for (int half = 0; half < 2; ++half) {
-      const __m256i raw0 = load32(blk + 160 + 32 * (4 * g + 2 * half));
-      const __m256i raw1 = load32(blk + 160 + 32 * (4 * g + 2 * half + 1));
-      const __m256i high = load32(blk + 1184 + 64 * g + 32 * half);
+      const __m256i raw0 = load32(blk + 160 + 192 * g + 64 * half);
+      const __m256i raw1 = load32(blk + 160 + 192 * g + 64 * half + 32);
+      const __m256i high = load32(blk + 288 + 192 * g + 32 * half);
       v[4 * half + 0] = _mm256_or_si256(_mm256_and_si256(raw0, low), _mm256_and_si256(_mm256_slli_epi16(high, 4), top));
       v[4 * half + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), low),
                                         _mm256_and_si256(_mm256_slli_epi16(high, 2), top));
@@ -800,7 +804,7 @@ struct Q6KPair : Lanes16 {
     second32 = _mm512_srai_epi32(pair, 16);
     const __m512i low = _mm512_set1_epi8(0xF), top = _mm512_set1_epi8(0x30);
     for (int half = 0; half < 2; ++half) {
-      const int64_t at0 = 160 + 32 * (4 * g + 2 * half), at1 = at0 + 32, at_high = 1184 + 64 * g + 32 * half;
+      const int64_t at0 = 160 + 192 * g + 64 * half, at1 = at0 + 32, at_high = 288 + 192 * g + 32 * half;
       const __m512i raw0 = load_two32(blk + at0, blk + stride + at0);
       const __m512i raw1 = load_two32(blk + at1, blk + stride + at1);
       const __m512i high = load_two32(blk + at_high, blk + stride + at_high);
