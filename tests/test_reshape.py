@@ -2,6 +2,7 @@
 the weights untouched, written where asked."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +56,21 @@ def test_fitted_elsewhere_compares_only_what_the_artifact_records(monkeypatch):
     assert not machine.fitted_elsewhere({})
 
 
+def test_fitted_elsewhere_tells_the_target_weights_apart(monkeypatch):
+    """A tree fitted to bf16 costs is not the quantized target's: there a pass over many
+    tokens costs far more, and the bf16 tree ran it at half its plain rate."""
+    from specdecode.policy import machine
+
+    monkeypatch.setattr(machine, "fingerprint", lambda: {"cpu": "AMD EPYC", "kernel": "avx512", "threads": 2})
+    bf16 = {"cpu": "AMD EPYC", "kernel": "avx512", "threads": 2, "weights": "bfloat16"}
+    assert not machine.fitted_elsewhere(bf16, "bfloat16")
+    assert machine.fitted_elsewhere(bf16, "gguf")
+    assert machine.fitted_elsewhere(bf16 | {"weights": "gguf"}, "bfloat16")
+    unknown = {key: value for key, value in bf16.items() if key != "weights"}  # fitted before weights were recorded
+    assert machine.fitted_elsewhere(unknown, "bfloat16") and machine.fitted_elsewhere(unknown, "gguf")
+    assert not machine.fitted_elsewhere(unknown)  # asked about the machine alone
+
+
 def test_a_shape_fitted_before_the_kernels_changed_counts_as_fitted_elsewhere():
     from specdecode.policy import machine
 
@@ -74,6 +90,37 @@ def test_the_shipped_qwen_medusa_tree_records_the_kernels_it_ships_with():
     record = json.loads((artifacts.SHIPPED / "qwen2.5-coder-1.5b-instruct" / "medusa" / medusa.CONFIG_FILE)
                         .read_text())["training"]["fitted_on"]
     assert record["kernel_sources"] == kernels.source_tag(record["kernel"])
+    assert record["weights"] == "bfloat16"  # a quantized target gets a tree of its own (medusa-gguf)
+
+
+@pytest.mark.real
+def test_bf16_and_quantized_targets_each_get_a_tree_fitted_once(tmp_path, monkeypatch, caplog):
+    """Switching --dtype between bf16 and gguf fits each its own tree, in its own folder
+    beside the target, once: neither overwrites the other."""
+    import dataclasses
+
+    from specdecode.policy import machine
+    from specdecode.api import Model, load_model
+    from specdecode.heads.loading import medusa_drafter
+
+    monkeypatch.setattr(machine, "fingerprint", lambda: {"cpu": "a test CPU", "kernel": "avx2", "threads": 2})
+    targets = {}
+    for dtype in ("bf16", "gguf"):
+        loaded = load_model("smollm2-135m-instruct", dtype=dtype)
+        for weights in Path(loaded.info.folder).glob("*.safetensors"):  # a quantized target's heads read its float head
+            if not (tmp_path / weights.name).exists():
+                (tmp_path / weights.name).symlink_to(weights)
+        targets[dtype] = Model(loaded.model, loaded.tokenizer, dataclasses.replace(loaded.info, folder=tmp_path))
+    for dtype, folder in (("bf16", "medusa"), ("gguf", "medusa-gguf")):
+        medusa_drafter(targets[dtype])
+        assert fits(caplog) == 1
+        record = json.loads((tmp_path / folder / medusa.CONFIG_FILE).read_text())["training"]["fitted_on"]
+        assert record["weights"] == ("bfloat16" if dtype == "bf16" else "gguf")
+    for dtype in ("bf16", "gguf", "bf16"):
+        medusa_drafter(targets[dtype])
+        assert fits(caplog) == 0
+    assert medusa.find("smollm2-135m-instruct", tmp_path, "gguf") == tmp_path / "medusa-gguf"
+    assert medusa.find("smollm2-135m-instruct", tmp_path) == tmp_path / "medusa"
 
 
 @pytest.mark.real
@@ -98,7 +145,7 @@ def test_a_shipped_tree_fitted_on_another_machine_is_fitted_here_once(kind, tmp_
     make(target)
     assert fits(caplog) == 1
     refitted = json.loads((tmp_path / kind / f"{kind}.json").read_text())
-    assert (refitted["tree"] if kind == "eagle" else refitted["training"])["fitted_on"] == here
+    assert (refitted["tree"] if kind == "eagle" else refitted["training"])["fitted_on"] == here | {"weights": "bfloat16"}
     make(target)  # found beside the target now, fitted here: not again
     assert fits(caplog) == 0
 

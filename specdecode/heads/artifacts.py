@@ -1,5 +1,9 @@
 """Where a head (Medusa, EAGLE) for a target is found: trained or re-shaped here, beside
-the target's cached weights, first; else shipped with the package (specdecode/artifacts)."""
+the target's cached weights, first; else shipped with the package (specdecode/artifacts).
+
+A tree is fitted to the costs of the target's weights (policy/machine.py), so a copy
+re-shaped for quantized weights lives apart from the bf16 one (`medusa-gguf` beside
+`medusa`): switching `--dtype` back and forth finds each fitted once."""
 
 from __future__ import annotations
 
@@ -15,15 +19,26 @@ from specdecode.errors import SpecDecodeError
 SHIPPED = Path(__file__).resolve().parent.parent / "artifacts"
 
 
+FLOAT_WEIGHTS = "bfloat16"  # the weights heads are trained on; their artifacts' folder has no suffix
+
+
+def local_dir(kind: str, target_folder: str | Path, weights: str = FLOAT_WEIGHTS) -> Path:
+    """Where a `kind` artifact (medusa | eagle) for a target with these weights is written
+    here: $SPECDECODE_HOME/models/NAME/medusa, or medusa-gguf (-q8_0, ...) for others."""
+    return Path(target_folder) / (kind if weights == FLOAT_WEIGHTS else f"{kind}-{weights}")
+
+
 def find_artifact(kind: str, config_file: str, target_name: str, target_folder: str | Path, what: str,
-                  flag: str) -> Path:
-    """A drafter artifact (`kind` = medusa | eagle) for a target: trained or re-shaped here
-    (beside the target's cached weights) first, else shipped with the package. A re-shaped
-    copy of a shipped artifact that has since been replaced (a newer package) is passed
-    over for the new one, which is then fitted again in its place."""
-    local, shipped = Path(target_folder) / kind, SHIPPED / target_name / kind
-    if (local / config_file).is_file() and not _refit_of_replaced(local / config_file, shipped / config_file):
-        return local
+                  flag: str, weights: str = FLOAT_WEIGHTS) -> Path:
+    """A drafter artifact (`kind` = medusa | eagle) for a target with `weights`: re-shaped
+    here for those weights, else trained or re-shaped here (beside the target's cached
+    weights), else shipped with the package. A re-shaped copy of a shipped artifact that
+    has since been replaced (a newer package) is passed over for the new one, which is
+    then fitted again in its place."""
+    shipped = SHIPPED / target_name / kind
+    for local in dict.fromkeys([local_dir(kind, target_folder, weights), local_dir(kind, target_folder)]):
+        if (local / config_file).is_file() and not _refit_of_replaced(local / config_file, shipped / config_file):
+            return local
     if (shipped / config_file).is_file():
         return shipped
     raise SpecDecodeError(f"no {what} for {target_name}: run `specdecode train {kind} --target {target_name}` "

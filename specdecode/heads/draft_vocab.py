@@ -45,16 +45,20 @@ class DraftVocab:
 
 
 def lm_head_weight(target) -> torch.Tensor:
-    """The target's LM head as a plain matrix (tied: the embeddings; else from the file)."""
+    """The target's LM head as a plain matrix (tied: the embeddings; else from the file,
+    as for a quantized target, whose head runs on its blocks)."""
     if target.model.lm_head_weight is not None:
         return target.model.lm_head_weight
     from safetensors import safe_open
 
+    tied = getattr(target.model.config, "tie_word_embeddings", False)
+    names = ("lm_head.weight", "model.embed_tokens.weight") if tied else ("lm_head.weight",)
     for path in sorted(Path(target.info.folder).glob("*.safetensors")):  # the bf16 copy sorts first
         with safe_open(path, "pt") as f:
-            if "lm_head.weight" in f.keys():
-                return f.get_tensor("lm_head.weight")
-    raise FileNotFoundError(f"no lm_head.weight in {target.info.folder}")
+            for name in names:
+                if name in f.keys():
+                    return f.get_tensor(name)
+    raise FileNotFoundError(f"no {' or '.join(names)} in {target.info.folder}")
 
 
 def for_target(target, token_ids: torch.Tensor | None) -> DraftVocab:

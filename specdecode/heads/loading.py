@@ -1,11 +1,13 @@
 """A Medusa or EAGLE drafter for a loaded target: its artifact found, checked against the
-target, and its tree fitted to this machine when it was fitted on another.
+target, and its tree fitted to this machine and the target's weights when it was fitted
+on another machine or other weights.
 
 A tree drafter's shape and gate rest on costs measured where the shape was chosen
 (policy/machine.py). An artifact found for the target but fitted elsewhere (the shipped
-SmolLM2 heads) is fitted again here once, into the target's folder, where it is found
-the next time; one named by the user's path is left as it is, with a warning that says
-how to refit it.
+SmolLM2 heads), or for bf16 when the target runs on quantized blocks, is fitted again
+here once, into the target's folder (heads/artifacts.py: one folder per kind of
+weights), where it is found the next time; one named by the user's path is left as it
+is, with a warning that says how to refit it.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ log = logging.getLogger("specdecode")
 
 def medusa_drafter(target: LoadedModel, heads: str | None = None) -> MedusaDrafter:
     """Medusa heads from a folder, or the ones trained (or shipped) for this target."""
-    folder = heads or medusa.find(target.info.source, target.info.folder)
+    weights = machine.weights_of(target.model)
+    folder = heads or medusa.find(target.info.source, target.info.folder, weights)
     trained, config = medusa.load(folder)
     if config.target_sha256 and target.info.sha256 and config.target_sha256 != target.info.sha256:
         raise SpecDecodeError(f"the heads in {folder} were trained on {config.target} "
                               f"(sha256 {config.target_sha256[:12]}), not on this target")
-    refitted = fit_to_machine("Medusa heads' tree", "medusa", config.training.get("fitted_on"), heads,
+    refitted = fit_to_machine("Medusa heads' tree", "medusa", config.training.get("fitted_on"), weights, heads,
                               lambda: refit.refit_medusa(target, Path(folder), log=lambda _: None))
     if refitted is not None:
         trained, config = medusa.load(refitted)
@@ -48,14 +51,15 @@ def medusa_drafter(target: LoadedModel, heads: str | None = None) -> MedusaDraft
 
 def eagle_drafter(target: LoadedModel, head: str | None = None) -> EagleDrafter:
     """An EAGLE head from a folder, or the one trained (or shipped) for this target."""
-    folder = head or eagle.find(target.info.source, target.info.folder)
+    weights = machine.weights_of(target.model)
+    folder = head or eagle.find(target.info.source, target.info.folder, weights)
     if head is not None and not (Path(head) / eagle.CONFIG_FILE).is_file() and (Path(head) / "config.json").is_file():
         return foreign_eagle_drafter(target, Path(head))
     trained = eagle.load(folder)
     sha = trained.config.target_sha256
     if sha and target.info.sha256 and sha != target.info.sha256:
         raise SpecDecodeError(f"the head in {folder} was trained on {trained.config.target}, not on this target")
-    refitted = fit_to_machine("EAGLE head's tree", "eagle", trained.config.tree.get("fitted_on"), head,
+    refitted = fit_to_machine("EAGLE head's tree", "eagle", trained.config.tree.get("fitted_on"), weights, head,
                               lambda: refit.refit_eagle(target, Path(folder), log=lambda _: None))
     if refitted is not None:
         trained = eagle.load(refitted)
@@ -76,19 +80,21 @@ def foreign_eagle_drafter(target: LoadedModel, folder: Path) -> EagleDrafter:
     return EagleDrafter(target.model, trained, depth=depth, top_k=1, num_nodes=depth, vocab=trained.vocabulary(target))
 
 
-def fit_to_machine(what: str, kind: str, fitted_on: dict | None, given: str | None,
+def fit_to_machine(what: str, kind: str, fitted_on: dict | None, weights: str, given: str | None,
                    fit: Callable[[], Path]) -> Path | None:
-    """The folder of a tree drafter fitted again to this machine because its shape was
-    fitted on another. None where it stays as it is: fitted here, or named by the user's
-    path (a warning says how to refit it), or where the refit cannot be saved."""
-    if not machine.fitted_elsewhere(fitted_on):
+    """The folder of a tree drafter fitted again to this machine and the target's `weights`
+    because its shape was fitted on another machine or other weights. None where it stays
+    as it is: fitted here, or named by the user's path (a warning says how to refit it),
+    or where the refit cannot be saved."""
+    if not machine.fitted_elsewhere(fitted_on, weights):
         return None
     if given is not None:
-        warnings.warn(f"the {what} in {given} was fitted on another machine ({machine.describe(fitted_on)}); "
+        warnings.warn(f"the {what} in {given} was fitted on another machine or weights "
+                      f"({machine.describe(fitted_on)}; here {weights}); "
                       f"`specdecode train {kind} --reshape-only --from {given}` fits it to this one", stacklevel=3)
         return None
-    log.warning("fitting the %s to this machine (once, under a minute; it was fitted on %s)...",
-                what, machine.describe(fitted_on))
+    log.warning("fitting the %s to this machine and %s weights (once, under a minute; it was fitted on %s)...",
+                what, weights, machine.describe(fitted_on))
     try:
         return fit()
     except OSError as e:  # a target folder we may not write to

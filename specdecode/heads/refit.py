@@ -45,8 +45,9 @@ def refit_medusa(target, folder: Path, out: str | Path | None = None, log=print)
     paths, speedup = pick_tree(target.model, trained, vocab, config.accuracy, log)
     config.tree = [list(p) for p in paths]
     config.training = config.training | {"expected_speedup": round(speedup, 3),
-                                         "fitted_on": machine.fingerprint(), **_source(folder)}
-    return medusa.save(Path(out) if out else medusa.default_dir(target.info.folder), trained, config)
+                                         "fitted_on": machine.fit_record(target.model), **_source(folder)}
+    out = Path(out) if out else medusa.default_dir(target.info.folder, machine.weights_of(target.model))
+    return medusa.save(out, trained, config)
 
 
 def reshape_eagle(target_name: str, head: str | Path | None = None, out: str | Path | None = None,
@@ -67,4 +68,5 @@ def refit_eagle(target, folder: Path, out: str | Path | None = None, log=print) 
     vocab = trained.vocabulary(target)
     kept = {k: v for k, v in trained.config.tree.items() if k == artifacts.REFIT_KEY}  # a refit's refit
     trained.config.tree = shape_for(target.model, trained, vocab, accuracy, log) | kept | _source(folder)
-    return eagle.save(Path(out) if out else eagle.default_dir(target.info.folder), trained.float())
+    out = Path(out) if out else eagle.default_dir(target.info.folder, machine.weights_of(target.model))
+    return eagle.save(out, trained.float())

@@ -117,9 +117,13 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class NativeModel:
     backend = "native"
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16,
+                 weight_format: str | None = None):
         self.config = config
         self.dtype = dtype
+        # what a pass costs depends on, and so a tree fitted to those costs: the float dtype
+        # ("bfloat16", "float32") or the quantized format ("gguf", "q8_0", "q4_0")
+        self.weight_format = weight_format or str(dtype).removeprefix("torch.")
         c = config
 
         weights = dict(weights)  # popped as used, so fused copies do not double peak memory
@@ -200,7 +204,7 @@ class NativeModel:
             weights = quantize_matrices(load_weights(folder, dtype), QUANTIZABLE[quant])
         else:
             weights = load_weights(folder, dtype)
-        return cls(config, weights, dtype)
+        return cls(config, weights, dtype, quant)
 
     # ---- cache and bookkeeping -------------------------------------------------------
 

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from specdecode.heads import draft_vocab
 from specdecode.heads.draft_vocab import ARTIFACT_KEY, DraftVocab
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.artifacts import find_artifact, write_folder
+from specdecode.heads.artifacts import FLOAT_WEIGHTS, find_artifact, local_dir, write_folder
 from specdecode.heads.eagle import eagle3
 from specdecode.heads.eagle.parts import EagleConfig, HeadCache, attend, check_feature_layers, rms_norm
 from specdecode.models.linear import Linear
@@ -172,10 +172,10 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> "EagleHead |
     return head
 
 
-def default_dir(target_folder: str | Path) -> Path:
-    return Path(target_folder) / "eagle"
+def default_dir(target_folder: str | Path, weights: str = FLOAT_WEIGHTS) -> Path:
+    return local_dir("eagle", target_folder, weights)
 
 
-def find(target_name: str, target_folder: str | Path) -> Path:
+def find(target_name: str, target_folder: str | Path, weights: str = FLOAT_WEIGHTS) -> Path:
     """The head for a target: trained (or re-shaped) here first, else shipped with the package."""
-    return find_artifact("eagle", CONFIG_FILE, target_name, target_folder, "EAGLE head", "--head")
+    return find_artifact("eagle", CONFIG_FILE, target_name, target_folder, "EAGLE head", "--head", weights)

@@ -380,7 +380,7 @@ def shape_for(model, head, vocab: DraftVocab, accuracy, log=print) -> dict:
     log(f"accuracy by depth (top-1) {[a[0] for a in accuracy]}; tree: depth {shape['depth']}, "
         f"top-{shape['top_k']}, {shape['num_nodes']} nodes, expected {shape['expected_speedup']:.2f}x")
     return shape | {"accuracy": accuracy, "head_step_ratio": round(costs.draft_ratio, 4),
-                    "fitted_on": machine.fingerprint()}
+                    "fitted_on": machine.fit_record(model)}
 
 
 def _time_head_step(model, head, vocab: DraftVocab, rows: int = 3, repeats: int = 5) -> float:

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from specdecode.heads.draft_vocab import ARTIFACT_KEY
 from specdecode.errors import SpecDecodeError
-from specdecode.heads.artifacts import find_artifact, write_folder
+from specdecode.heads.artifacts import FLOAT_WEIGHTS, find_artifact, local_dir, write_folder
 from specdecode.models.linear import Linear
 
 WEIGHTS_FILE = "medusa.safetensors"
@@ -97,11 +97,12 @@ def load(folder: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Medusa
     return heads, config
 
 
-def default_dir(target_folder: str | Path) -> Path:
-    """Beside the target's cached weights: $SPECDECODE_HOME/models/NAME/medusa."""
-    return Path(target_folder) / "medusa"
+def default_dir(target_folder: str | Path, weights: str = FLOAT_WEIGHTS) -> Path:
+    """Beside the target's cached weights: $SPECDECODE_HOME/models/NAME/medusa (medusa-gguf
+    for a tree fitted to the GGUF's blocks)."""
+    return local_dir("medusa", target_folder, weights)
 
 
-def find(target_name: str, target_folder: str | Path) -> Path:
-    """The heads for a target: trained here first, else shipped with the package."""
-    return find_artifact("medusa", CONFIG_FILE, target_name, target_folder, "Medusa heads", "--heads")
+def find(target_name: str, target_folder: str | Path, weights: str = FLOAT_WEIGHTS) -> Path:
+    """The heads for a target: fitted or trained here first, else shipped with the package."""
+    return find_artifact("medusa", CONFIG_FILE, target_name, target_folder, "Medusa heads", "--heads", weights)

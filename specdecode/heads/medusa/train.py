@@ -224,7 +224,7 @@ def run_train_medusa(target_name: str, num_heads: int = 3, num_tokens: int = 100
     vocab = DraftVocab.rows(lm_weight, heads.draft_vocab, target.model.dtype)
     paths, speedup = pick_tree(target.model, heads, vocab, record["accuracy"], log)
     record["expected_speedup"] = round(speedup, 3)
-    record["fitted_on"] = machine.fingerprint()
+    record["fitted_on"] = machine.fit_record(target.model)
     accuracy = record.pop("accuracy")
     artifact = medusa.MedusaConfig(target_name, target.info.sha256, heads.weight.shape[-1], num_heads,
                                    accuracy, [list(p) for p in paths], record)
