@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from specdecode.heads import artifacts
 from specdecode.heads.eagle import model as eagle
@@ -121,6 +121,15 @@ def test_bf16_and_quantized_targets_each_get_a_tree_fitted_once(tmp_path, monkey
         assert fits(caplog) == 0
     assert medusa.find("smollm2-135m-instruct", tmp_path, "gguf") == tmp_path / "medusa-gguf"
     assert medusa.find("smollm2-135m-instruct", tmp_path) == tmp_path / "medusa"
+
+    weights = tmp_path / "medusa" / medusa.WEIGHTS_FILE  # heads trained again here: the gguf copy is stale
+    tensors = load_file(weights)
+    name = next(iter(tensors))
+    save_file(tensors | {name: tensors[name] + 1}, weights)
+    assert medusa.find("smollm2-135m-instruct", tmp_path, "gguf") == tmp_path / "medusa"
+    medusa_drafter(targets["gguf"])
+    assert fits(caplog) == 1
+    assert medusa.find("smollm2-135m-instruct", tmp_path, "gguf") == tmp_path / "medusa-gguf"
 
 
 @pytest.mark.real

@@ -3,7 +3,9 @@ the target's cached weights, first; else shipped with the package (specdecode/ar
 
 A tree is fitted to the costs of the target's weights (policy/machine.py), so a copy
 re-shaped for quantized weights lives apart from the bf16 one (`medusa-gguf` beside
-`medusa`): switching `--dtype` back and forth finds each fitted once."""
+`medusa`): switching `--dtype` back and forth finds each fitted once. That copy holds the
+same heads as the artifact it was re-shaped from, and is passed over once they differ (heads
+trained again, or a newer package's)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from specdecode.errors import SpecDecodeError
 
@@ -35,14 +37,20 @@ def find_artifact(kind: str, config_file: str, target_name: str, target_folder: 
     weights), else shipped with the package. A re-shaped copy of a shipped artifact that
     has since been replaced (a newer package) is passed over for the new one, which is
     then fitted again in its place."""
-    shipped = SHIPPED / target_name / kind
-    for local in dict.fromkeys([local_dir(kind, target_folder, weights), local_dir(kind, target_folder)]):
-        if (local / config_file).is_file() and not _refit_of_replaced(local / config_file, shipped / config_file):
-            return local
-    if (shipped / config_file).is_file():
-        return shipped
-    raise SpecDecodeError(f"no {what} for {target_name}: run `specdecode train {kind} --target {target_name}` "
-                          f"or pass {flag} PATH")
+    shipped, local = SHIPPED / target_name / kind, local_dir(kind, target_folder)
+    if (local / config_file).is_file() and not _refit_of_replaced(local / config_file, shipped / config_file):
+        found = local
+    elif (shipped / config_file).is_file():
+        found = shipped
+    else:
+        raise SpecDecodeError(f"no {what} for {target_name}: run `specdecode train {kind} --target {target_name}` "
+                              f"or pass {flag} PATH")
+    refitted = local_dir(kind, target_folder, weights)
+    if (refitted != local and (refitted / config_file).is_file()
+            and not _refit_of_replaced(refitted / config_file, shipped / config_file)
+            and heads_hash(refitted) == heads_hash(found)):
+        return refitted  # the same heads, their tree fitted to these weights
+    return found
 
 
 REFIT_KEY = "refitted_from_shipped"  # in a re-shaped artifact's record: the shipped weights' hash
@@ -55,6 +63,19 @@ def shipped_hash(folder: Path) -> str | None:
         return None
     weights = next(folder.glob("*.safetensors"), None)
     return None if weights is None else hashlib.sha256(weights.read_bytes()).hexdigest()[:16]
+
+
+def heads_hash(folder: Path) -> str | None:
+    """A hash of the tensors of a head artifact in `folder`, names and values (None: it has
+    no weights file): equal for two copies of the same heads however each file was written."""
+    weights = next(Path(folder).glob("*.safetensors"), None)
+    if weights is None:
+        return None
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(weights).items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _refit_of_replaced(config_path: Path, shipped_config: Path) -> bool:
