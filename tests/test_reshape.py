@@ -35,6 +35,18 @@ def test_reshape_medusa_keeps_the_heads_and_writes_a_tree_for_this_machine(tmp_p
 
 
 @pytest.mark.real
+def test_reshape_for_quantized_weights_records_them(tmp_path):
+    from specdecode.commands.cli import main
+
+    assert main(["train", "medusa", "--reshape-only", "--target", "smollm2-135m-instruct", "--dtype", "gguf",
+                 "--from", str(SHIPPED / "medusa"), "--out", str(tmp_path / "medusa-gguf")]) == 0
+    _, config = medusa.load(tmp_path / "medusa-gguf")
+    assert config.training["fitted_on"]["weights"] == "gguf"
+    # training itself runs on the bf16 target: one line and status 2, nothing trained
+    assert main(["train", "medusa", "--target", "smollm2-135m-instruct", "--dtype", "gguf"]) == 2
+
+
+@pytest.mark.real
 def test_reshape_eagle_keeps_the_head_and_its_accuracy(tmp_path):
     folder = reshape_eagle("smollm2-135m-instruct", SHIPPED / "eagle", tmp_path / "eagle", log=lambda _: None)
     tree = json.loads((folder / eagle.CONFIG_FILE).read_text())["tree"]

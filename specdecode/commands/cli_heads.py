@@ -44,6 +44,9 @@ def add_train(sub) -> None:
                           help="no training: choose the tree of the existing heads again, for this machine")
         kind.add_argument("--from", dest="source", help="with --reshape-only: the heads' folder (default: the "
                           "ones trained or shipped for the target); eagle without it: a head to continue training")
+        kind.add_argument("--dtype", help="with --reshape-only: fit the tree to the target on these weights "
+                          "(default bf16; gguf: the GGUF's blocks, whose tree is kept apart, in medusa-gguf or "
+                          "eagle-gguf); heads always train on the bf16 target")
         kind.set_defaults(func=run_train_cmd)
 
 
@@ -58,11 +61,13 @@ def run_train_cmd(args) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.source and not args.reshape_only and args.kind != "eagle":
         raise SpecDecodeError("--from goes with --reshape-only (or with train eagle, to continue a head)")
+    if args.dtype and not args.reshape_only:
+        raise SpecDecodeError("--dtype goes with --reshape-only: heads train on the bf16 target")
     if args.reshape_only:
         from specdecode.heads.refit import reshape_eagle, reshape_medusa
 
         reshape = reshape_medusa if args.kind == "medusa" else reshape_eagle
-        folder = reshape(args.target, args.source, args.out, log=log)
+        folder = reshape(args.target, args.source, args.out, log=log, dtype=args.dtype)
     elif args.kind == "medusa":
         from specdecode.heads.medusa.train import run_train_medusa
 

@@ -31,8 +31,8 @@ def _source(folder: Path) -> dict:
 
 
 def reshape_medusa(target_name: str, heads: str | Path | None = None, out: str | Path | None = None,
-                   log=print) -> Path:
-    target = load_model(target_name)
+                   log=print, dtype: str | None = None) -> Path:
+    target = load_model(target_name, dtype)
     return refit_medusa(target, Path(heads) if heads else medusa.find(target_name, target.info.folder), out, log)
 
 
@@ -51,8 +51,8 @@ def refit_medusa(target, folder: Path, out: str | Path | None = None, log=print)
 
 
 def reshape_eagle(target_name: str, head: str | Path | None = None, out: str | Path | None = None,
-                  log=print) -> Path:
-    target = load_model(target_name)
+                  log=print, dtype: str | None = None) -> Path:
+    target = load_model(target_name, dtype)
     return refit_eagle(target, Path(head) if head else eagle.find(target_name, target.info.folder), out, log)
 
 
