@@ -147,13 +147,27 @@ Q8Row quantize_row(const float* x, int64_t K, int64_t block) {
   return row;
 }
 
-// Every row of x (M, K) quantized on its own (quantize_row), rows in parallel where there
-// are enough values to pay for the threads.
-std::vector<Q8Row> quantize_rows(const float* x, int64_t M, int64_t K, int64_t block) {
+// Every row of x (M, K; fp32, or bf16 widened a row at a time, exactly) quantized on its
+// own (quantize_row), rows in parallel where there are enough values to pay for the threads.
+std::vector<Q8Row> quantize_rows(const torch::Tensor& x, int64_t block) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
   std::vector<Q8Row> rows(M);
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / K);
   at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) rows[m] = quantize_row(x + m * K, K, block);
+    std::vector<float> wide(bf16 ? K : 0);
+    for (int64_t m = m0; m < m1; ++m) {
+      if (!bf16) {
+        rows[m] = quantize_row(x.data_ptr<float>() + m * K, K, block);
+        continue;
+      }
+      const uint16_t* narrow = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + m * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(narrow[k]) << 16;
+        std::memcpy(&wide[k], &bits, 4);
+      }
+      rows[m] = quantize_row(wide.data(), K, block);
+    }
   });
   return rows;
 }
@@ -1421,8 +1435,7 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
                            int64_t N) {
   TORCH_CHECK(x.dim() == 2, "quant_linear: x must be (rows, K)");
   const int64_t M = x.size(0), K = x.size(1);
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  const auto xc = x.scalar_type() == torch::kBFloat16 ? x.contiguous() : x.to(torch::kFloat32).contiguous();
   bool k_quants = false, q8_0 = false;
   int64_t rows = 0;
   for (const auto& p : parts) {
@@ -1434,9 +1447,17 @@ torch::Tensor quant_linear(torch::Tensor x, std::vector<torch::Tensor> parts, c1
     rows += p.size(0) * (repacked(p.size(2)) ? 8 : 1);
   }
   TORCH_CHECK(rows == N, "quant_linear: the parts hold ", rows, " rows, not ", N);
-  const std::vector<Q8Row> x8k = k_quants ? quantize_rows(xp, M, K, QK_K) : std::vector<Q8Row>{},
-                           x80 = q8_0 ? quantize_rows(xp, M, K, QK8_0) : std::vector<Q8Row>{};
-  auto y = torch::empty({M, N}, torch::kFloat32);
+  const std::vector<Q8Row> x8k = k_quants ? quantize_rows(xc, QK_K) : std::vector<Q8Row>{},
+                           x80 = q8_0 ? quantize_rows(xc, QK8_0) : std::vector<Q8Row>{};
+  // A bf16 call's fp32 products go to this thread's buffer, kept from call to call (as large
+  // as the largest product yet: 37 MB for Qwen2.5-1.5B's gate and up projections over a
+  // 512-token chunk of a prefill). A fresh one each call is memory the OS maps and zeroes
+  // page by page: with it, and the bf16 inputs widened to a copy, a 512-token prefill took
+  // 3.72 s against 3.42 (AMD EPYC Zen 4, 2 threads, interleaved, fastest of ten).
+  const bool narrow = x.scalar_type() == torch::kBFloat16;
+  thread_local std::vector<float> products;
+  if (narrow && products.size() < static_cast<size_t>(M * N)) products.resize(M * N);
+  auto y = narrow ? torch::from_blob(products.data(), {M, N}, torch::kFloat32) : torch::empty({M, N}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   int64_t first = 0;
   for (const auto& p : parts) {
