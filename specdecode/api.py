@@ -60,8 +60,11 @@ class Model(LoadedModel):
         return torch.cat([prompt, torch.tensor(new, dtype=torch.long)])[None]
 
 
-def load_model(source: str = DEFAULT_TARGET, dtype: str | None = None, backend: str = "auto") -> Model:
-    loaded = models_load.load_model(source, dtype, backend)
+def load_model(source: str = DEFAULT_TARGET, dtype: str | None = None, backend: str = "auto",
+               as_draft: bool = False) -> Model:
+    """as_draft: the model will only draft (pass it as `assistant_model`); with quantized
+    weights its LM head is then read at five bits where the file stores it wider."""
+    loaded = models_load.load_model(source, dtype, backend, as_draft)
     return Model(loaded.model, loaded.tokenizer, loaded.info)
 
 

@@ -39,7 +39,7 @@ def make_drafter(target: LoadedModel, drafter: str | None, draft: str | None, dt
         return medusa_drafter(target, heads)
     if drafter == "eagle":
         return eagle_drafter(target, heads)
-    draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype))
+    draft_model = make_draft_model(target, load_model(draft or DEFAULT_DRAFT, dtype, as_draft=True))
     if drafter == "hybrid":
         return default_hybrid(target, draft_model)
     return DraftTree(draft_model, DEFAULT_TREE_WIDTHS) if drafter == "draft-tree" else draft_model
@@ -74,7 +74,8 @@ def plan(target: LoadedModel, drafter: str | None, draft: str | None, k: int | s
         name, _ = tuned.choose(category, drafter or ("draft-model" if draft else None))
         draft_model = None
         if name != "prompt-lookup":
-            draft_model = make_draft_model(target, load_model(draft or tuned.drafters[name]["draft"], dtype))
+            draft_name = draft or tuned.drafters[name]["draft"]
+            draft_model = make_draft_model(target, load_model(draft_name, dtype, as_draft=True))
         return tuned_drafter(tuned, category, draft_model, name)
     the_drafter = make_drafter(target, drafter, draft, dtype, heads)
     if the_drafter is None:

@@ -207,7 +207,7 @@ def run_bench(questions, target_name=DEFAULT_TARGET, draft_name: str | None = DE
     from tqdm import tqdm
 
     target = load_model(target_name, dtype)
-    draft = load_model(draft_name, dtype) if draft_name else None
+    draft = load_model(draft_name, dtype, as_draft=True) if draft_name else None
     if peers and quant_format(dtype):  # transformers would run other, float weights: not a like-for-like peer
         log(f"transformers peers skipped: they cannot run {dtype} weights")
         peers = False

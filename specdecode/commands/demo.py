@@ -57,7 +57,7 @@ def run_demo(max_new_tokens: int = 96, k: int | None = None, dtype: str | None =
         raise SpecDecodeError(f"the draft length k must be >= 1, got {k}")
     print(f"loading {DEFAULT_TARGET} (target) and {DEFAULT_DRAFT} (draft); the first run downloads them",
           file=out, flush=True)
-    target, draft = load_model(DEFAULT_TARGET, dtype), load_model(DEFAULT_DRAFT, dtype)
+    target, draft = load_model(DEFAULT_TARGET, dtype), load_model(DEFAULT_DRAFT, dtype, as_draft=True)
     tuned = Profile.load(profile) if profile is not None else None
     stop = StopCondition(frozenset(target.info.eos_token_ids), max_new_tokens=max_new_tokens)
     rows = []

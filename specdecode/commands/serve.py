@@ -43,7 +43,7 @@ def build_service(args, drafter_name: str):
         shared = make_drafter(target, drafter_name, None, args.dtype, args.heads)
         new_drafter = lambda: shared
     elif drafter_name == "draft-model":
-        draft = make_draft_model(target, load_model(args.draft, args.dtype)).model
+        draft = make_draft_model(target, load_model(args.draft, args.dtype, as_draft=True)).model
         new_drafter = lambda: DraftModel(draft, model.vocab_size, max_len=1024)  # grows when a context needs it
         draft_ratio = measured_costs(model, draft).draft_ratio
         draft_token_s = draft_ratio * pass_costs(1)

@@ -68,13 +68,16 @@ class LoadedModel:
     info: ModelInfo
 
 
-def load_model(source: str, dtype: str | None = None, backend: str = "auto") -> LoadedModel:
+def load_model(source: str, dtype: str | None = None, backend: str = "auto", as_draft: bool = False) -> LoadedModel:
     """`load`, the weights kept for the life of the process. The source is resolved on every
-    call (cheap once cached), so a model removed from the cache is fetched again."""
+    call (cheap once cached), so a model removed from the cache is fetched again. as_draft:
+    a model that will only draft; quantized, its LM head is read at five bits where the
+    file stores it wider (draft_head.py), a separate copy from the same model loaded plainly."""
     if backend not in BACKENDS:
         raise SpecDecodeError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     torch_dtype, quant = parse_dtype(dtype), quant_format(dtype)
-    return _loaded(source, _folder(source, torch_dtype, quant, progress=True), torch_dtype, quant, backend)
+    return _loaded(source, _folder(source, torch_dtype, quant, progress=True), torch_dtype, quant, backend,
+                   as_draft and quant is not None)
 
 
 def load(source: str, dtype: str | torch.dtype | None = None, backend: str = "auto", progress: bool = True):
@@ -93,12 +96,13 @@ def _folder(source: str, dtype: torch.dtype, quant: str | None, progress: bool) 
     return resolve(source, progress=progress, dtype=weights)
 
 
-def _load_folder(source: str, folder: Path, dtype: torch.dtype, quant: str | None, backend: str) -> LoadedModel:
+def _load_folder(source: str, folder: Path, dtype: torch.dtype, quant: str | None, backend: str,
+                 as_draft: bool = False) -> LoadedModel:
     from transformers import AutoTokenizer
 
     if quant is not None and backend == "hf":
         raise SpecDecodeError(f"--dtype {quant} runs on the native backend only")
-    model = NativeModel.from_folder(folder, dtype, quant) if quant else _load_model(folder, dtype, backend)
+    model = NativeModel.from_folder(folder, dtype, quant, as_draft) if quant else _load_model(folder, dtype, backend)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return LoadedModel(model, tokenizer,
                        ModelInfo(source, folder, _manifest(folder).get("sha256"), eos_token_ids(folder, tokenizer)))

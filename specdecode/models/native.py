@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from specdecode.models import kernels
 from specdecode.models.config import ModelConfig
+from specdecode.models.draft_head import draft_head_path, with_draft_head
 from specdecode.models.kv_cache import BLOCK, KVCache
 from specdecode.models.layer_ops import FusedOps, TorchOps, layer_ops
 from specdecode.models.linear import ROW_INVARIANT_ROWS, Linear
@@ -193,15 +194,21 @@ class NativeModel:
 
     @classmethod
     def from_folder(cls, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
-                    quant: str | None = None) -> "NativeModel":
+                    quant: str | None = None, as_draft: bool = False) -> "NativeModel":
         """quant: None (float weights in `dtype`), "gguf" (the folder's GGUF blocks as stored)
-        or a type to quantize the float weights to ("q8_0", "q4_0")."""
+        or a type to quantize the float weights to ("q8_0", "q4_0"). as_draft: quantized,
+        the LM head is read at five bits where stored wider (draft_head.py)."""
         folder = Path(folder)
         config = ModelConfig.from_folder(folder)
         if quant == "gguf":
-            weights = load_prepared(gguf_file(folder), config, folder)
+            gguf = gguf_file(folder)
+            weights = load_prepared(gguf, config, folder)
+            if as_draft:
+                weights = with_draft_head(weights, draft_head_path(gguf, folder))
         elif quant is not None:
             weights = quantize_matrices(load_weights(folder, dtype), QUANTIZABLE[quant])
+            if as_draft:
+                weights = with_draft_head(weights)
         else:
             weights = load_weights(folder, dtype)
         return cls(config, weights, dtype, quant)

@@ -109,10 +109,15 @@ def _save(path: Path, weights: dict, offsets: dict[str, int], requantized: tuple
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    key = path.name.split(".", 1)[0]
+    key = _key_of(path)  # a file's stem may hold dots ("qwen2.5-...")
     for older in path.parent.glob(f"{key}.*.prepared.pt"):
-        if older != path:
+        if older != path and _key_of(older) == key:
             older.unlink(missing_ok=True)
+
+
+def _key_of(path: Path) -> str:
+    """The file key of a prepared copy's name, `<key>.<tag>.prepared.pt`."""
+    return path.name.removesuffix(".prepared.pt").rsplit(".", 1)[0]
 
 
 def _read(path: Path, gguf: Path) -> dict[str, torch.Tensor | QuantTensor]:

@@ -229,10 +229,14 @@ def test_a_prepared_gguf_gives_the_files_weights_and_is_made_again_when_damaged(
     config, gguf = ModelConfig.from_folder(smollm2_folder), gguf_file(smollm2_folder)
     path = prepared_path(gguf, smollm2_folder)
     path.unlink(missing_ok=True)
-    older = path.with_name(path.name.split(".", 1)[0] + ".000000000000.prepared.pt")
+    key = path.name.removesuffix(".prepared.pt").rsplit(".", 1)[0]
+    older = path.with_name(key + ".000000000000.prepared.pt")
+    neighbour = path.with_name(key + ".5-other.000000000000.prepared.pt")  # another file, its name sharing a prefix
+    neighbour.write_bytes(b"another file's copy")
     older.write_bytes(b"an older copy")
     made = load_prepared(gguf, config, smollm2_folder)
-    assert path.is_file() and not older.exists()
+    assert path.is_file() and not older.exists() and neighbour.exists()
+    neighbour.unlink()
     mapped, read = load_prepared(gguf, config, smollm2_folder), load_gguf_weights(gguf, config)
     assert set(made) == set(mapped) == set(read)
     layouts = 0
