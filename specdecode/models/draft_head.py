@@ -27,22 +27,23 @@ from pathlib import Path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from specdecode.models.prepared import EMBEDDING, HEAD, prepared_path
+from specdecode.models.prepared import EMBEDDING, HEAD, SUFFIX, prepared_path, remove_older, split_name
 from specdecode.models.quant import QuantTensor, kernel_layout
 
 log = logging.getLogger("specdecode")
 
 WIDER_THAN_DRAFT = (GGMLQuantizationType.Q8_0,)  # head types a draft reads requantized
 DRAFT_HEAD_TYPE = GGMLQuantizationType.Q5_0
+DRAFT_HEAD_SUFFIX = ".draft-head.pt"
 
 
 def draft_head_path(gguf: Path, folder: Path) -> Path:
     """Where the draft head of `gguf` run from `folder` is kept: beside its prepared copy,
     tagged by that copy's tag and this file (a change to either makes a new one)."""
     prepared = prepared_path(gguf, folder)
-    key, tag = prepared.name.removesuffix(".prepared.pt").rsplit(".", 1)
+    key, tag = split_name(prepared, SUFFIX)
     digest = hashlib.sha256(tag.encode() + Path(__file__).read_bytes()).hexdigest()[:12]
-    return prepared.with_name(f"{key}.{digest}.draft-head.pt")
+    return prepared.with_name(f"{key}.{digest}{DRAFT_HEAD_SUFFIX}")
 
 
 def with_draft_head(weights: dict, keep: Path | None = None) -> dict:
@@ -85,7 +86,4 @@ def _save(path: Path, head: QuantTensor) -> None:
         return
     finally:
         partial.unlink(missing_ok=True)
-    key = path.name.removesuffix(".draft-head.pt").rsplit(".", 1)[0]
-    for older in path.parent.glob(f"{key}.*.draft-head.pt"):
-        if older != path and older.name.removesuffix(".draft-head.pt").rsplit(".", 1)[0] == key:
-            older.unlink(missing_ok=True)
+    remove_older(path, DRAFT_HEAD_SUFFIX)

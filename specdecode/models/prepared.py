@@ -16,6 +16,7 @@ renamed into place, so deleting it is always safe (the next load makes it again)
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import logging
 import os
@@ -33,6 +34,7 @@ from specdecode.models.store import home, read_manifest
 log = logging.getLogger("specdecode")
 
 FORMAT = 1  # of the saved dictionary (_save)
+SUFFIX = ".prepared.pt"
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -71,7 +73,7 @@ def _make_layouts(weights: dict) -> None:
 def prepared_path(gguf: Path, folder: Path) -> Path:
     """Where the prepared copy of `gguf` run from `folder` is (whether or not it is there)."""
     where = folder if read_manifest(folder) is not None else home() / "prepared"
-    return where / f"{_file_key(gguf)}.{_tag(gguf)}.prepared.pt"
+    return where / f"{_file_key(gguf)}.{_tag(gguf)}{SUFFIX}"
 
 
 def _file_key(gguf: Path) -> str:
@@ -109,15 +111,21 @@ def _save(path: Path, weights: dict, offsets: dict[str, int], requantized: tuple
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    key = _key_of(path)  # a file's stem may hold dots ("qwen2.5-...")
-    for older in path.parent.glob(f"{key}.*.prepared.pt"):
-        if older != path and _key_of(older) == key:
+    remove_older(path, SUFFIX)
+
+
+def split_name(path: Path, suffix: str) -> tuple[str, str]:
+    """(file key, tag) of a kept file named `<key>.<tag><suffix>`; a key may hold dots ("qwen2.5-...")."""
+    key, _, tag = path.name.removesuffix(suffix).rpartition(".")
+    return key, tag
+
+
+def remove_older(path: Path, suffix: str) -> None:
+    """Remove the files beside `path` kept for the same file key under other tags."""
+    key, _ = split_name(path, suffix)
+    for older in path.parent.glob(f"{glob.escape(key)}.*{suffix}"):
+        if older != path and split_name(older, suffix)[0] == key:
             older.unlink(missing_ok=True)
-
-
-def _key_of(path: Path) -> str:
-    """The file key of a prepared copy's name, `<key>.<tag>.prepared.pt`."""
-    return path.name.removesuffix(".prepared.pt").rsplit(".", 1)[0]
 
 
 def _read(path: Path, gguf: Path) -> dict[str, torch.Tensor | QuantTensor]:
