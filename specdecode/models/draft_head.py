@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from specdecode.models.prepared import EMBEDDING, HEAD, SUFFIX, prepared_path, remove_older, split_name
+from specdecode.models.prepared import EMBEDDING, HEAD, SUFFIX, prepared_path, save_whole, split_name
 from specdecode.models.quant import QuantTensor, kernel_layout
 
 log = logging.getLogger("specdecode")
@@ -75,15 +74,9 @@ def _read(path: Path) -> QuantTensor | None:
 
 
 def _save(path: Path, head: QuantTensor) -> None:
-    """Written as a `.partial` and renamed over `path`; older heads of the same file removed.
-    A disk that refuses it costs only the next load's requantization."""
-    partial = path.with_name(f".{path.name}.pid{os.getpid()}.partial")
+    """Kept as prepared.py keeps its copy; a disk that refuses it costs only the next load's
+    requantization."""
     try:
-        torch.save({"qtype": int(head.qtype), "blocks": head.data, "layout": head.layout}, partial)
-        os.replace(partial, path)
+        save_whole({"qtype": int(head.qtype), "blocks": head.data, "layout": head.layout}, path, DRAFT_HEAD_SUFFIX)
     except OSError as err:
         log.warning("could not keep the draft head at %s (%s)", path, err)
-        return
-    finally:
-        partial.unlink(missing_ok=True)
-    remove_older(path, DRAFT_HEAD_SUFFIX)

@@ -104,6 +104,12 @@ def _save(path: Path, weights: dict, offsets: dict[str, int], requantized: tuple
         if tensor.layout is not None:
             entry["layout"] = tensor.layout
         payload["matrices"][name] = entry
+    save_whole(payload, path, SUFFIX)
+
+
+def save_whole(payload: dict, path: Path, suffix: str) -> None:
+    """torch.save as a `.partial` renamed over `path` (never a half-written file), then the
+    files kept for the same file key under other tags removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.pid{os.getpid()}.partial")
     try:
@@ -111,7 +117,7 @@ def _save(path: Path, weights: dict, offsets: dict[str, int], requantized: tuple
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
-    remove_older(path, SUFFIX)
+    remove_older(path, suffix)
 
 
 def split_name(path: Path, suffix: str) -> tuple[str, str]:
