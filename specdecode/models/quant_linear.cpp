@@ -406,6 +406,7 @@ struct Lanes8 {
 #else
   static constexpr int64_t CHUNK_ROWS = 4;
 #endif
+  static constexpr int QUARTER_ROWS = 0;  // rows from which `dot_rows` takes a group (none here)
   using Int = __m256i;
   using Float = __m256;
   static Int zero_int() { return _mm256_setzero_si256(); }
@@ -470,6 +471,38 @@ struct Q4KX8 : Lanes8 {
       v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     }
   }
+
+#ifndef VNNI
+  // AVX2 has 16 vector registers: a whole unpacked group (eight) leaves room for four rows'
+  // sums, so a pass over five to eight rows read the weights twice. dot_rows takes a group
+  // a quarter at a time (32 bytes, two vectors) into eight rows' int16 sums at once. The
+  // sums are the same integers in another order (no int16 partial sum can overflow, see
+  // above), so the output is bitwise the unpack-and-dot path's. Qwen2.5-1.5B's Q4_K_M matrices (0.82 GB, all
+  // types), AMD EPYC Zen 4 with the AVX2 build, 2 threads, interleaved, median ms: 6 rows
+  // 71.4 -> 54.2, 8 rows 88.4 -> 83.4, 16 rows 139 -> 114, 64 rows 599 -> 555.
+  static constexpr int64_t CHUNK_ROWS = 8;
+  static constexpr int QUARTER_ROWS = 5;
+  template <int R, typename Inputs>
+  void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
+    const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * g)));
+    const __m256i pair_scale = _mm256_or_si256(s32, _mm256_slli_epi32(s32, 16));
+    const __m256i low = _mm256_set1_epi8(0xF);
+    __m256i s16[R];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load32(blk + 192 + 32 * (4 * g + j));
+      const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      for (int m = 0; m < R; ++m) {
+        const int8_t* q = in.at(m, b, g) + 8 * j;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, broadcast4(q)),
+                                           _mm256_maddubs_epi16(hi, broadcast4(q + 4)));
+        s16[m] = j == 0 ? p : _mm256_add_epi16(s16[m], p);
+        // without it GCC sums all of a row's products at the end, and spills them
+        asm("" : "+x"(s16[m]));
+      }
+    }
+    for (int m = 0; m < R; ++m) sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(s16[m], pair_scale));
+  }
+#endif
 
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
@@ -697,6 +730,7 @@ struct Q50X8 : Lanes8 {
 constexpr int64_t PAIR_MIN_ROWS = 8;
 struct Lanes16 {
   static constexpr int64_t CHUNK_ROWS = 8;
+  static constexpr int QUARTER_ROWS = 0;
   using Int = __m512i;
   using Float = __m512;
   static Int zero_int() { return _mm512_setzero_si512(); }
@@ -918,8 +952,12 @@ void x8_group_rows(const Block& kind, const uint8_t* base, int64_t b0, int64_t b
     for (int m = 0; m < R; ++m) sum[m] = Block::zero_int();
     for (int g = 0; g < Block::GROUPS; ++g) {
       if constexpr (PREFETCH_SPREAD) if (prefetch_blocks >= 0) block.prefetch_share(blk + prefetch_blocks * Block::BYTES, g);
-      block.unpack(g);
-      for (int m = 0; m < R; ++m) sum[m] = Block::add(sum[m], block.dot(in.at(m, b, g)));
+      if constexpr (Block::QUARTER_ROWS > 0 && R >= Block::QUARTER_ROWS) {
+        block.template dot_rows<R>(g, in, b, sum);
+      } else {
+        block.unpack(g);
+        for (int m = 0; m < R; ++m) sum[m] = Block::add(sum[m], block.dot(in.at(m, b, g)));
+      }
     }
     for (int m = 0; m < R; ++m) block.finish(x[m], b, sum[m], acc[m]);
   }
@@ -995,7 +1033,7 @@ void x8_group(const Block& kind, const uint8_t* base, int64_t b0, int64_t b1, co
       case 2: x8_group_rows<Block, 2>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 3: x8_group_rows<Block, 3>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 4: x8_group_rows<Block, 4>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
-#ifdef __AVX512VL__
+#if defined(__AVX512VL__) || !defined(VNNI)
       case 5: x8_group_rows<Block, 5>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 6: x8_group_rows<Block, 6>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 7: x8_group_rows<Block, 7>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
