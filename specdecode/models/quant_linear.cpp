@@ -474,12 +474,12 @@ struct Q4KX8 : Lanes8 {
 
 #ifndef VNNI
   // AVX2 has 16 vector registers: a whole unpacked group (eight) leaves room for four rows'
-  // sums, so a pass over five to eight rows read the weights twice. dot_rows takes a group
-  // a quarter at a time (32 bytes, two vectors) into eight rows' int16 sums at once. The
-  // sums are the same integers in another order (no int16 partial sum can overflow, see
-  // above), so the output is bitwise the unpack-and-dot path's. Qwen2.5-1.5B's Q4_K_M matrices (0.82 GB, all
-  // types), AMD EPYC Zen 4 with the AVX2 build, 2 threads, interleaved, median ms: 6 rows
-  // 71.4 -> 54.2, 8 rows 88.4 -> 83.4, 16 rows 139 -> 114, 64 rows 599 -> 555.
+  // sums, so a pass over five to eight rows unpacked every block twice. dot_rows takes a
+  // group a quarter at a time (32 bytes, two vectors) into eight rows' int16 sums at once.
+  // The sums are the same integers in another order (no int16 partial sum can overflow, see
+  // above), so the output is bitwise the unpack-and-dot path's. Qwen2.5-1.5B's Q4_K_M
+  // matrices (0.82 GB, all types), AMD EPYC Zen 4 with the AVX2 build, 2 threads, the two
+  // builds interleaved 15 times, median ms: 8 rows 96.4 -> 84.6, 64 rows 647 -> 613.
   static constexpr int64_t CHUNK_ROWS = 8;
   static constexpr int QUARTER_ROWS = 5;
   template <int R, typename Inputs>
@@ -1033,12 +1033,10 @@ void x8_group(const Block& kind, const uint8_t* base, int64_t b0, int64_t b1, co
       case 2: x8_group_rows<Block, 2>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 3: x8_group_rows<Block, 3>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 4: x8_group_rows<Block, 4>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
-#if defined(__AVX512VL__) || !defined(VNNI)
       case 5: x8_group_rows<Block, 5>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 6: x8_group_rows<Block, 6>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 7: x8_group_rows<Block, 7>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
       case 8: x8_group_rows<Block, 8>(kind, base, b0, b1, xc, chunk, oc, ldo, ahead); break;
-#endif
     }
   }
 }
