@@ -96,6 +96,38 @@ def test_speed_on_smollm2_runs_both_sides_and_reports(smollm2_folder):
 
 
 @pytest.mark.real
+def test_speed_interleaves_the_peer_and_reads_the_limit_beside_each_native_run(smollm2_folder, monkeypatch):
+    """Each repeat runs ours, reads the bandwidth, then runs llama.cpp; each run's share of
+    the limit is taken against the read beside it (a noisy neighbour moves both alike)."""
+    events, rates, reads = [], iter([10.0, 40.0, 30.0]), iter([1e9, 4e9, 2e9])
+
+    def native(model, prompt_ids, new_tokens):
+        events.append("native")
+        return Timing(0.1, (new_tokens - 1) / next(rates), new_tokens) if new_tokens == 9 else Timing(0.1, 1.0, 4)
+
+    def peer():
+        events.append("llama.cpp")
+        return Timing(0.2, 0.5, 9)
+
+    def read():
+        events.append("read")
+        return next(reads)
+
+    monkeypatch.setattr(speed, "_time_native", native)
+    monkeypatch.setattr(speed, "measure_bandwidth", lambda megabytes: (5e9, "4 streams a thread, small pages"))
+    monkeypatch.setattr(speed, "read_again", lambda megabytes, which: read)
+    monkeypatch.setattr(speed, "_llamacpp_runner", lambda *args: peer)
+    monkeypatch.setattr(speed, "measure_verify_curve", lambda model, sizes: {n: 0.01 * n for n in sizes})
+    r = run_speed(str(smollm2_folder), "gguf", new_tokens=9, repeats=3, log=lambda _: None)
+    assert events == ["native"] + ["native", "read", "llama.cpp"] * 3  # after the warm-up
+    assert r["bandwidth_gb_per_s"] == 2.0 and r["native_tokens_per_s"] == 30.0
+    bytes_per_step = r["weight_bytes_per_token"]
+    # the shares 10/1, 40/4 and 30/2 (x bytes / 1e9): their median, not 30 tok/s over 2 GB/s
+    assert r["fraction_of_limit"] == pytest.approx(10.0 * bytes_per_step / 1e9, abs=1e-3)
+    assert r["llamacpp_tokens_per_s"] == 16.0
+
+
+@pytest.mark.real
 def test_speed_times_a_long_prompt_in_chunks(smollm2_folder):
     r = run_speed(str(smollm2_folder), new_tokens=4, repeats=1, log=lambda _: None, bandwidth_megabytes=128,
                   prompt_tokens=600)  # more than one prefill chunk

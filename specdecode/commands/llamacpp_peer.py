@@ -100,18 +100,20 @@ def greedy(llm, prompt_ids: Sequence[int], max_new_tokens: int,
     return time.perf_counter() - started, tokens, first_at - started
 
 
-def plain_timings(gguf: Path, threads: int, prompt_ids: Sequence[int], new_tokens: int,
-                  repeats: int) -> list[tuple[float, float]]:
-    """(seconds to the first new token, seconds after it) of llama.cpp's plain greedy decoding
-    of exactly new_tokens tokens (end-of-text ignored), once per repeat after a warm-up, as
-    `speed` times ours: the first span is the prompt's prefill."""
+def plain_runner(gguf: Path, threads: int, prompt_ids: Sequence[int],
+                 new_tokens: int) -> Callable[[], tuple[float, float]]:
+    """A timer of llama.cpp's plain greedy decoding of exactly new_tokens tokens (end-of-text
+    ignored), loaded and warmed up: each call returns (seconds to the first new token, seconds
+    after it), as `speed` times ours, the first span being the prompt's prefill. `speed`
+    calls it between its own runs, so both see the machine alike."""
     llm = _load(gguf, threads, len(prompt_ids) + new_tokens + 16)
     greedy(llm, prompt_ids[:16], 4)  # a warm-up: a short prefill and a few steps
-    timings = []
-    for _ in range(repeats):
+
+    def run() -> tuple[float, float]:
         seconds, _, first = greedy(llm, prompt_ids, new_tokens)
-        timings.append((first, seconds - first))
-    return timings
+        return first, seconds - first
+
+    return run
 
 
 def peer_runs(gguf: Path, threads: int, max_new_tokens: int, eos: Sequence[int], lookup_k: int,

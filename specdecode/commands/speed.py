@@ -1,23 +1,26 @@
-"""`specdecode speed`: plain decoding, native backend vs transformers, side by side.
+"""`specdecode speed`: plain decoding, native backend vs its peers, side by side.
 
-Both run greedy decoding of the same prompt to the same forced length, in the same
-dtype and process, interleaved (native, transformers, native, ...) after a warm-up; the
-median of the repeats is reported.
+Each side runs greedy decoding of the same prompt to the same forced length, in the same
+process, interleaved (native, llama.cpp, transformers, then again) after a warm-up; the
+median of the repeats is reported. transformers runs the same float weights; on a GGUF
+target, llama.cpp (the optional binding, llamacpp_peer.py) runs the same file instead.
 
 Tokens/s is the decoding rate: the tokens after the first over the time after the first,
 so the prompt's prefill (one pass over every prompt token, which yields the first token)
 is timed apart, as `prefill_s`, and as a rate of prompt tokens per second. The end-to-end
 rate, prefill included, is reported too. `--prompt-tokens N` times a prompt of N tokens of
 standard-library source instead of the short built-in one: the prefill of a long prompt,
-and decoding over its long cache. On a GGUF target, llama.cpp (the optional binding,
-llamacpp_peer.py) is timed the same way on the same file and prompt.
+and decoding over its long cache.
 Beside them stands the physical limit of a decoding step: the weight bytes one step must
-stream, divided by the memory read bandwidth measured in this run: the fastest of the
-reads of a 2 GB buffer, on ordinary and on huge pages, that torch makes (a sum, an fp32
-matrix-vector product) and that the kernels make with each thread reading 1, 2, 4 or 8
+stream, divided by the memory read bandwidth. The fastest way to read a 2 GB buffer is
+found first, among the reads, on ordinary and on huge pages, that torch makes (a sum, an
+fp32 matrix-vector product) and that the kernels make with each thread reading 1, 2, 4 or 8
 runs far apart side by side (bandwidth.cpp): one run a thread falls short of the memory
-system on some CPUs, and the quantized products read several there. `--json` names the
-read that was fastest.
+system on some CPUs, and the quantized products read several there. `--json` names it.
+That read is then timed again right after each native run, and the share of the limit
+reached is the median of the repeats' shares: on a machine shared with other tenants the
+bandwidth moves by a third within minutes, so a rate and a limit read minutes apart would
+not measure the kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,17 +59,23 @@ def measure_bandwidth(megabytes: int = 2048, repeats: int = 3) -> tuple[float, s
     measures the cache: a 50 MB matrix "streams" at 49 GB/s there, a 2 GB buffer at 30.
     """
     best = (0.0, "none")
-    for pages in ("small", "huge"):  # the weights stream from huge pages (models/huge_pages.py): so may this
-        matrix = torch.ones(megabytes * 2**20 // 4 // 4096, 4096, dtype=torch.float32)
-        if pages == "huge":
-            matrix = on_huge_pages(matrix)
+    for pages in PAGES:  # the weights stream from huge pages (models/huge_pages.py): so may this
+        matrix = _buffer(megabytes, pages)
         best = max(best, *((rate, f"{name}, {pages} pages") for name, rate in _reads(matrix, repeats)))
         del matrix  # freed before the next buffer is made: a peak of 2 GB, not 4
     return best
 
 
-def _reads(matrix: torch.Tensor, repeats: int) -> list[tuple[str, float]]:
-    """(read, bytes per second of its fastest repeat) for each way of reading matrix."""
+PAGES = ("small", "huge")
+
+
+def _buffer(megabytes: int, pages: str) -> torch.Tensor:
+    matrix = torch.ones(megabytes * 2**20 // 4 // 4096, 4096, dtype=torch.float32)
+    return on_huge_pages(matrix) if pages == "huge" else matrix
+
+
+def _read_functions(matrix: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Each way of reading matrix whole, by name."""
     vector = torch.ones(1, matrix.shape[1], dtype=torch.float32)
     reads = {"torch sum": lambda: matrix.sum(),
              "torch matrix-vector product": lambda: torch.nn.functional.linear(vector, matrix)}
@@ -73,16 +83,34 @@ def _reads(matrix: torch.Tensor, repeats: int) -> list[tuple[str, float]]:
     if module is not None:
         for n in STREAMS:
             reads[f"{n} stream{'s' if n > 1 else ''} a thread"] = lambda n=n: module.read_streams(matrix, n)
-    rates = []
-    for name, read in reads.items():
+    return reads
+
+
+def _fastest_rate(matrix: torch.Tensor, read: Callable[[], object], repeats: int) -> float:
+    """Bytes per second of the fastest of `repeats` reads of matrix (after one untimed)."""
+    read()
+    fastest = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
         read()
-        fastest = float("inf")
-        for _ in range(repeats):
-            t = time.perf_counter()
-            read()
-            fastest = min(fastest, time.perf_counter() - t)
-        rates.append((name, matrix.numel() * 4 / fastest))
-    return rates
+        fastest = min(fastest, time.perf_counter() - t)
+    return matrix.numel() * 4 / fastest
+
+
+def _reads(matrix: torch.Tensor, repeats: int) -> list[tuple[str, float]]:
+    """(read, bytes per second of its fastest repeat) for each way of reading matrix."""
+    return [(name, _fastest_rate(matrix, read, repeats)) for name, read in _read_functions(matrix).items()]
+
+
+def read_again(megabytes: int, which: str, repeats: int = 3) -> Callable[[], float]:
+    """A timer of the read `which` (as measure_bandwidth names it) on a buffer kept for it:
+    each call returns the bytes per second of its fastest of `repeats`. `speed` reads after
+    each decoding run, so that a rate and its limit are measured together: on a machine
+    shared with other tenants the bandwidth moves by a third within minutes."""
+    name, pages = which.rsplit(", ", 1)
+    matrix = _buffer(megabytes, pages.removesuffix(" pages"))
+    read = _read_functions(matrix)[name]
+    return lambda: _fastest_rate(matrix, read, repeats)
 
 
 @dataclass(frozen=True)
@@ -154,18 +182,19 @@ def long_prompt(tokenizer, tokens: int) -> list[int]:
     return ids
 
 
-def _time_llamacpp(quant: str | None, folder, prompt_ids: list[int], new_tokens: int, repeats: int,
-                   log) -> list[Timing]:
-    """llama.cpp's timings on the target's GGUF file, or none (with a note) where it cannot run."""
+def _llamacpp_runner(quant: str | None, folder, prompt_ids: list[int], new_tokens: int,
+                     log) -> Callable[[], Timing] | None:
+    """A timer of llama.cpp on the target's GGUF file (one run a call), or None (with a note)
+    where it cannot run."""
     if quant != "gguf":
-        return []
+        return None
     gguf, why = llamacpp_peer.target_gguf(folder, 0.0)
     if why is not None:
         log(f"llama.cpp not timed: {why}")
-        return []
-    log(f"timing llama.cpp on {gguf.name}")
-    runs = llamacpp_peer.plain_timings(gguf, torch.get_num_threads(), prompt_ids, new_tokens, repeats)
-    return [Timing(prefill, decode, new_tokens) for prefill, decode in runs]
+        return None
+    log(f"loading llama.cpp on {gguf.name}")
+    run = llamacpp_peer.plain_runner(gguf, torch.get_num_threads(), prompt_ids, new_tokens)
+    return lambda: Timing(*run(), new_tokens)
 
 
 def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repeats: int = 3,
@@ -188,21 +217,29 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
         log(f"loading transformers' model from {info.folder}")
         hf_model = AutoModelForCausalLM.from_pretrained(str(info.folder), dtype=torch_dtype).eval()
 
+    log("measuring the memory read bandwidth")
+    _, bandwidth_read = measure_bandwidth(bandwidth_megabytes)
+    bandwidth_now = read_again(bandwidth_megabytes, bandwidth_read)
+    llamacpp_run = _llamacpp_runner(quant, info.folder, prompt_ids, new_tokens, log)
     log("warming up")
     _time_native(model, short_ids, 4)
     if hf_model is not None:
         _time_transformers(hf_model, short_ids, 4)
-    native, hf = [], []
-    for r in range(repeats):
+    native, hf, llamacpp, bandwidths = [], [], [], []
+    for r in range(repeats):  # every side once a repeat, so that each sees the machine as the others do
         native.append(_time_native(model, prompt_ids, new_tokens))
+        bandwidths.append(bandwidth_now())  # the limit read right after the rate set against it
+        if llamacpp_run is not None:
+            llamacpp.append(llamacpp_run())
         if hf_model is not None:
             hf.append(_time_transformers(hf_model, prompt_ids, new_tokens))
         log(f"repeat {r + 1}/{repeats}: native {native[-1].tokens_per_s:.2f} tok/s"
-            + (f", transformers {hf[-1].tokens_per_s:.2f} tok/s" if hf else ""))
-    llamacpp = _time_llamacpp(quant, info.folder, prompt_ids, new_tokens, repeats, log)
+            + (f", llama.cpp {llamacpp[-1].tokens_per_s:.2f} tok/s" if llamacpp else "")
+            + (f", transformers {hf[-1].tokens_per_s:.2f} tok/s" if hf else "")
+            + f", memory read {bandwidths[-1] / 1e9:.1f} GB/s")
+    del bandwidth_now  # its buffer
     log("timing passes over 1, 2, 4, 8 and 16 tokens")
     curve = measure_verify_curve(model, CURVE_SIZES)
-    bandwidth, bandwidth_read = measure_bandwidth(bandwidth_megabytes)
 
     def median(timings: list[Timing], rate: str) -> float | None:
         return round(statistics.median(getattr(t, rate) for t in timings), 3) if timings else None
@@ -211,7 +248,10 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
         return round(len(prompt_ids) / statistics.median(t.prefill_s for t in timings), 2) if timings else None
 
     native_tps, hf_tps = median(native, "tokens_per_s"), median(hf, "tokens_per_s")
+    bandwidth = statistics.median(bandwidths)
     limit_tps = bandwidth / model.weight_bytes_per_token
+    # each repeat's rate against the limit read beside it, then their median
+    fraction = statistics.median(t.tokens_per_s * model.weight_bytes_per_token / b for t, b in zip(native, bandwidths))
     return {
         "target": target,
         "dtype": quant or str(torch_dtype).removeprefix("torch."),
@@ -238,7 +278,7 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
         "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
         "bandwidth_read": bandwidth_read,
         "limit_tokens_per_s": round(limit_tps, 3),
-        "fraction_of_limit": round(native_tps / limit_tps, 3),
+        "fraction_of_limit": round(fraction, 3),
         "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
