@@ -45,14 +45,17 @@ constexpr int64_t QK_K = 256;  // values per K-quant block
 constexpr int64_t QK8_0 = 32;  // values per Q8_0 block
 constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied brought into L1
 // Repacked blocks (1-2 KB) are prefetched whole; these distances are AMD EPYC Zen 4's (Intel
-// Xeon's differ: prefetch_ahead). For up to four rows (a decoding step, a short verify pass)
-// just before they are multiplied, so every line's miss is in flight at once instead of as
-// the unpacking reaches it; for more rows, whose products take longer, six blocks ahead.
+// Xeon's differ: prefetch_ahead). For up to five rows (a decoding step, a verify pass of up
+// to four drafts) just before they are multiplied, so every line's miss is in flight at once
+// instead of as the unpacking reaches it; for more rows, whose products take longer, six
+// blocks ahead.
 // Streaming 137 MB of Q6_K x8 on AMD EPYC Zen 4 (2 threads, three runs each), one row:
 // 33-51 GB/s so, 17-20 GB/s one or two blocks ahead, 12-16 GB/s without.
 // All of Qwen2.5-1.5B's Q4_K_M matrices (1 GB), same machine, in one run: 2 rows 32 ms so
 // against 42 two blocks ahead and 47 six ahead (one row: 23-24); 4 rows 45, 55, 60;
-// 6 rows 68-70 any; 8 rows 85, 89, 80; 16 rows 147, 146, 138.
+// 6 rows 68-70 any; 8 rows 85, 89, 80; 16 rows 147, 146, 138. Later, after the products
+// changed, just before against six ahead, interleaved, median ms: 5 rows 37.6 / 44.9 and
+// 42.3 / 51.9; 6 rows 51.0 / 51.2 (4 rows, the same code in both, 36.4 / 35.5).
 // The AVX2 build (AMD EPYC Zen 2 measured) does better with three and four rows six ahead.
 // Its threads also read WEIGHT_STREAMS groups of weights side by side in a pass over one or
 // two rows (x8_streams_rows): there one core's sequential read stops at about 12 GB/s while
@@ -69,7 +72,7 @@ constexpr int64_t PREFETCH_BLOCKS = 16;  // blocks ahead of the one multiplied b
 // ahead the same): 3 rows 51.6 / 47.3, 4 rows 61.8 / 56.3, 8 rows 117.0 / 109.7. Spread
 // one ahead, fewer streams: 1 row 36.8 with two, 40.3 with one.
 #ifdef __AVX512F__
-constexpr int64_t FEW_ROWS = 4, WEIGHT_STREAMS = 1, PREFETCH_X8_FEW_ROWS = 0, PREFETCH_X8_ROWS = 6;
+constexpr int64_t FEW_ROWS = 5, WEIGHT_STREAMS = 1, PREFETCH_X8_FEW_ROWS = 0, PREFETCH_X8_ROWS = 6;
 constexpr bool PREFETCH_SPREAD = false;
 #else
 constexpr int64_t FEW_ROWS = 2, WEIGHT_STREAMS = 4, PREFETCH_X8_FEW_ROWS = 1, PREFETCH_X8_ROWS = 2;
