@@ -30,9 +30,9 @@ log = logging.getLogger("specdecode")
 
 PROBE_SIZES = (1, 2, 3, 4, 5, 7, 9)  # rows of a verify pass: k + 1 for k up to 8
 PROBE_CONTEXT = 128
-# Rounds timed (after a warm-up): a probe of 9 rounds against three of 3 cut from the same
-# minutes of a noisy 2-core AMD EPYC Zen 4 (2026-12-07) spread c by a standard deviation of
-# 0.030 against 0.039 and v(5) by 0.17 against 0.32; 7 rounds take about 4 s, once.
+# Rounds timed after a warm-up. Probes of nine rounds, against probes of three cut from the
+# same minutes (a noisy 2-core AMD EPYC Zen 4, 2026-12-07): c's standard deviation 0.030
+# against 0.039, v(5)'s 0.17 against 0.32. Seven rounds take about 4 s, once.
 PROBE_REPEATS = 7
 # A draft model's step inside a generation costs more than its one-token pass alone: the
 # first pass of each round feeds the target's accepted tokens and its correction (a
