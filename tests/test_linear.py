@@ -9,6 +9,7 @@ packed product holds it up to 11 rows only.
 
 import os
 import subprocess
+import sys
 import sysconfig
 
 import pytest
@@ -112,6 +113,33 @@ def test_a_cpu_with_avx2_runs_a_kernel(kernel_module):
     on a CPU that has the instructions that is a failure (kernel_module fails with the
     build's error), and the kernel is the best build the CPU supports."""
     assert kernel_module.kind in kernels.KINDS and kernels.kernel_kind() == kernel_module.kind
+
+
+LOAD_KERNEL = "import sys; from specdecode.models import kernels; kernels._build(sys.argv[1]); print('loaded')"
+HOLD_LOCK = ("import fcntl, sys, time; held = open(sys.argv[1], 'a'); fcntl.flock(held, fcntl.LOCK_EX); "
+             "print('held', flush=True); time.sleep(3)")
+
+
+def test_a_build_killed_midway_does_not_block_the_next_process(kernel_module):
+    """A build killed midway (Ctrl-C) leaves torch's lock file behind, on which the next
+    process used to wait forever: the build lock is the OS's, so the leftover goes."""
+    build_dir = kernels.home() / "kernels" / f"{kernel_module.kind}-{kernels.source_tag(kernel_module.kind)}"
+    (build_dir / "lock").touch()
+    done = subprocess.run([sys.executable, "-c", LOAD_KERNEL, kernel_module.kind], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
+    assert not (build_dir / "lock").exists()
+
+
+def test_a_build_waits_for_another_process_building_and_says_so(kernel_module):
+    build_dir = kernels.home() / "kernels" / f"{kernel_module.kind}-{kernels.source_tag(kernel_module.kind)}"
+    with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(build_dir / "build.lock")], stdout=subprocess.PIPE,
+                          text=True) as holder:
+        assert holder.stdout.readline().strip() == "held"
+        done = subprocess.run([sys.executable, "-c", LOAD_KERNEL, kernel_module.kind], capture_output=True,
+                              text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
+    assert f"waiting for another process building the kernels in {build_dir}" in done.stderr
 
 
 @pytest.mark.skipif(not onednn_should_pack_bf16(), reason="this CPU lacks AVX-512 (bw, vl, dq) and AVX-NE-CONVERT")

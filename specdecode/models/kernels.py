@@ -24,11 +24,12 @@ its absence an error (=avx2 runs the AVX2 build on an AVX-512 or AMX CPU too).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -65,7 +66,6 @@ FLAGS = {
 GROUP, STEP = 64, 32  # AMX: outputs per packed group, K per tile step (see amx_linear.cpp)
 BLOCK = 32  # AVX2: outputs per packed block (see avx2_linear.cpp)
 BLOCK_AVX512 = 64  # AVX-512: outputs per packed block (see avx512_linear.cpp)
-STALE_LOCK_S = 600  # a build takes 1-3 minutes; a lock this old belongs to a dead process
 
 
 REQUIRED_FLAGS = {
@@ -142,21 +142,35 @@ def _build(kind: str):
 
     build_dir = home() / "kernels" / f"{kind}-{source_tag(kind)}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    lock = build_dir / "lock"  # torch's build lock; a build killed midway leaves it behind forever
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
     name = f"specdecode_{kind}"
-    if not (build_dir / f"{name}.so").exists():
-        print(f"building the {kind} bf16 kernels (once per machine, one to three minutes)...", file=sys.stderr,
-              flush=True)
-    return load(
-        name=name,
-        sources=[str(p) for p in SOURCES[kind]],
-        build_directory=str(build_dir),
-        extra_cflags=FLAGS[kind],
-        extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has already loaded
-        verbose=False,
-    )
+    with _build_lock(build_dir):
+        if not (build_dir / f"{name}.so").exists():
+            print(f"building the {kind} bf16 kernels (once per machine, one to three minutes)...", file=sys.stderr,
+                  flush=True)
+        return load(
+            name=name,
+            sources=[str(p) for p in SOURCES[kind]],
+            build_directory=str(build_dir),
+            extra_cflags=FLAGS[kind],
+            extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch has already loaded
+            verbose=False,
+        )
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One process at a time checks or builds a folder's kernels. torch's own lock is a file
+    that a build killed midway (Ctrl-C) leaves behind, and the next process would wait on
+    it forever; this one is the OS's, released when its holder dies, so torch's file can
+    only be such a leftover by the time this one is held."""
+    with open(build_dir / "build.lock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another process building the kernels in {build_dir}...", file=sys.stderr, flush=True)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield  # the OS releases the lock when the file closes
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
