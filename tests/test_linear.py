@@ -8,6 +8,7 @@ packed product holds it up to 11 rows only.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -120,26 +121,40 @@ HOLD_LOCK = ("import fcntl, sys, time; held = open(sys.argv[1], 'a'); fcntl.floc
              "print('held', flush=True); time.sleep(3)")
 
 
-def test_a_build_killed_midway_does_not_block_the_next_process(kernel_module):
+@pytest.fixture
+def built_copy(kernel_module, tmp_path):
+    """(kind, build folder, environment): a copy of this machine's built kernels under a
+    home of its own, so that the locks these tests leave or hold touch no shared build."""
+    kind = kernel_module.kind
+    name = f"{kind}-{kernels.source_tag(kind)}"
+    folder = tmp_path / "kernels" / name
+    shutil.copytree(kernels.home() / "kernels" / name, folder)  # times kept: nothing to rebuild
+    return kind, folder, {**os.environ, "SPECDECODE_HOME": str(tmp_path)}
+
+
+def load_in_a_new_process(kind: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", LOAD_KERNEL, kind], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_a_build_killed_midway_does_not_block_the_next_process(built_copy):
     """A build killed midway (Ctrl-C) leaves torch's lock file behind, on which the next
     process used to wait forever: the build lock is the OS's, so the leftover goes."""
-    build_dir = kernels.home() / "kernels" / f"{kernel_module.kind}-{kernels.source_tag(kernel_module.kind)}"
-    (build_dir / "lock").touch()
-    done = subprocess.run([sys.executable, "-c", LOAD_KERNEL, kernel_module.kind], capture_output=True, text=True,
-                          timeout=600)
+    kind, folder, env = built_copy
+    (folder / "lock").touch()
+    done = load_in_a_new_process(kind, env)
     assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
-    assert not (build_dir / "lock").exists()
+    assert not (folder / "lock").exists()
 
 
-def test_a_build_waits_for_another_process_building_and_says_so(kernel_module):
-    build_dir = kernels.home() / "kernels" / f"{kernel_module.kind}-{kernels.source_tag(kernel_module.kind)}"
-    with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(build_dir / "build.lock")], stdout=subprocess.PIPE,
+def test_a_build_waits_for_another_process_building_and_says_so(built_copy):
+    kind, folder, env = built_copy
+    with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder / "build.lock")], stdout=subprocess.PIPE,
                           text=True) as holder:
         assert holder.stdout.readline().strip() == "held"
-        done = subprocess.run([sys.executable, "-c", LOAD_KERNEL, kernel_module.kind], capture_output=True,
-                              text=True, timeout=600)
+        done = load_in_a_new_process(kind, env)
     assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
-    assert f"waiting for another process building the kernels in {build_dir}" in done.stderr
+    assert f"waiting for another process building the kernels in {folder}" in done.stderr
 
 
 @pytest.mark.skipif(not onednn_should_pack_bf16(), reason="this CPU lacks AVX-512 (bw, vl, dq) and AVX-NE-CONVERT")
