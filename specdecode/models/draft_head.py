@@ -19,6 +19,7 @@ place, and made again when unreadable.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from pathlib import Path
@@ -69,7 +70,8 @@ def _read(path: Path) -> QuantTensor | None:
         return QuantTensor(GGMLQuantizationType(saved["qtype"]), saved["blocks"], saved["layout"])
     except Exception as err:  # damaged or unreadable: made again
         log.warning("%s: unreadable (%s); requantizing the draft head again", path, err)
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a folder that refuses it: the head is made in memory
+            path.unlink(missing_ok=True)
         return None
 
 

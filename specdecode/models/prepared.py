@@ -16,6 +16,7 @@ renamed into place, so deleting it is always safe (the next load makes it again)
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import logging
@@ -49,7 +50,8 @@ def load_prepared(gguf: str | Path, config: ModelConfig, folder: str | Path) -> 
             return _read(path, gguf)
         except Exception as err:  # a damaged or unreadable copy is made again
             log.warning("%s: unreadable (%s); preparing it again", path, err)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a folder that refuses it: replaced below, or not kept
+                path.unlink(missing_ok=True)
     found = read_gguf(gguf, config)
     _make_layouts(found.tensors)
     try:
@@ -109,14 +111,19 @@ def _save(path: Path, weights: dict, offsets: dict[str, int], requantized: tuple
 
 def save_whole(payload: dict, path: Path, suffix: str) -> None:
     """torch.save as a `.partial` renamed over `path` (never a half-written file), then the
-    files kept for the same file key under other tags removed."""
+    files kept for the same file key under other tags removed. A write that fails raises
+    OSError, whichever layer refused it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.pid{os.getpid()}.partial")
     try:
-        torch.save(payload, partial)
+        try:
+            torch.save(payload, partial)
+        except RuntimeError as err:  # torch writes in C++: a full disk or a refused file comes back as this
+            raise OSError(f"could not write {partial}: {err}") from err
         os.replace(partial, path)
     finally:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
     remove_older(path, suffix)
 
 

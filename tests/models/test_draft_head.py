@@ -69,6 +69,37 @@ def test_a_kept_draft_head_is_read_back_and_made_again_when_damaged(tiny_llama, 
     assert torch.load(keep, mmap=True, weights_only=True)["qtype"] == int(made.qtype)
 
 
+def write_to_a_full_disk(monkeypatch) -> None:
+    """torch.save writes to /dev/full instead: the error a full disk gives, from torch's own writer."""
+    real_save = torch.save
+    monkeypatch.setattr(torch, "save", lambda payload, path: real_save(payload, "/dev/full"))
+
+
+def test_a_disk_that_refuses_the_draft_head_costs_only_the_next_requantizing(tiny_llama, tmp_path, monkeypatch,
+                                                                              caplog):
+    from specdecode.models.prepared import HEAD
+    from specdecode.models.quant import quantize_matrices, QUANTIZABLE
+    from specdecode.models.weights import load_weights
+
+    weights = quantize_matrices(load_weights(tiny_llama, torch.bfloat16), QUANTIZABLE["q8_0"])
+    keep = tmp_path / "model-0000.abcdef012345.draft-head.pt"
+    write_to_a_full_disk(monkeypatch)
+    with caplog.at_level("WARNING", logger="specdecode"):
+        head = draft_head.with_draft_head(weights, keep)[HEAD]
+    assert head.qtype.name == "Q5_0" and head.layout is not None
+    assert "could not keep the draft head" in caplog.text
+    assert list(tmp_path.iterdir()) == []  # neither the head nor a partial file
+
+
+def test_a_failed_write_of_a_kept_file_is_an_os_error_and_leaves_nothing(tmp_path, monkeypatch):
+    from specdecode.models.prepared import save_whole
+
+    write_to_a_full_disk(monkeypatch)
+    with pytest.raises(OSError, match="could not write"):
+        save_whole({"format": 1}, tmp_path / "model-0000.abcdef012345.prepared.pt", ".prepared.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.real
 def test_a_gguf_draft_keeps_its_head_beside_the_prepared_copy_and_drafts_as_well(smollm2_folder, kernel_module):
     """SmolLM2's file stores its head in Q8_0: loaded to draft for itself, the five-bit head
