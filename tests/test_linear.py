@@ -8,10 +8,12 @@ packed product holds it up to 11 rows only.
 """
 
 import os
+import select
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 
 import pytest
 import torch
@@ -117,8 +119,8 @@ def test_a_cpu_with_avx2_runs_a_kernel(kernel_module):
 
 
 LOAD_KERNEL = "import sys; from specdecode.models import kernels; kernels._build(sys.argv[1]); print('loaded')"
-HOLD_LOCK = ("import fcntl, sys, time; held = open(sys.argv[1], 'a'); fcntl.flock(held, fcntl.LOCK_EX); "
-             "print('held', flush=True); time.sleep(3)")
+HOLD_LOCK = ("import fcntl, sys; held = open(sys.argv[1], 'a'); fcntl.flock(held, fcntl.LOCK_EX); "
+             "print('held', flush=True); sys.stdin.readline()")  # held until told to let go
 
 
 @pytest.fixture
@@ -134,7 +136,20 @@ def built_copy(kernel_module, tmp_path):
 
 def load_in_a_new_process(kind: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", LOAD_KERNEL, kind], capture_output=True, text=True, env=env,
-                          timeout=600)
+                          timeout=300)
+
+
+def output_until(pipe, text: str, seconds: float) -> str:
+    """What a process wrote to `pipe` until `text` appeared, it stopped writing, or `seconds` passed."""
+    seen, deadline = b"", time.monotonic() + seconds
+    while text.encode() not in seen and (left := deadline - time.monotonic()) > 0:
+        if not select.select([pipe], [], [], left)[0]:
+            break
+        chunk = os.read(pipe.fileno(), 4096)
+        if not chunk:
+            break
+        seen += chunk
+    return seen.decode(errors="replace")
 
 
 def test_a_build_killed_midway_does_not_block_the_next_process(built_copy):
@@ -149,12 +164,18 @@ def test_a_build_killed_midway_does_not_block_the_next_process(built_copy):
 
 def test_a_build_waits_for_another_process_building_and_says_so(built_copy):
     kind, folder, env = built_copy
-    with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder / "build.lock")], stdout=subprocess.PIPE,
-                          text=True) as holder:
+    waiting = f"waiting for another process building the kernels in {folder}"
+    with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder / "build.lock")], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as holder:
         assert holder.stdout.readline().strip() == "held"
-        done = load_in_a_new_process(kind, env)
-    assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
-    assert f"waiting for another process building the kernels in {folder}" in done.stderr
+        with subprocess.Popen([sys.executable, "-c", LOAD_KERNEL, kind], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env) as loader:
+            said = output_until(loader.stderr, waiting, 120)
+            holder.stdin.write("\n")  # let go only once the loader has said that it waits
+            holder.stdin.flush()
+            out, err = loader.communicate(timeout=300)
+    assert waiting in said, said[-2000:]
+    assert loader.returncode == 0 and out.decode().strip() == "loaded", err.decode()[-2000:]
 
 
 @pytest.mark.skipif(not onednn_should_pack_bf16(), reason="this CPU lacks AVX-512 (bw, vl, dq) and AVX-NE-CONVERT")
