@@ -234,9 +234,12 @@ def test_a_prepared_gguf_gives_the_files_weights_and_is_made_again_when_damaged(
     neighbour = path.with_name(key + ".5-other.000000000000.prepared.pt")  # another file, its name sharing a prefix
     neighbour.write_bytes(b"another file's copy")
     older.write_bytes(b"an older copy")
-    made = load_prepared(gguf, config, smollm2_folder)
-    assert path.is_file() and not older.exists() and neighbour.exists()
-    neighbour.unlink()
+    try:
+        made = load_prepared(gguf, config, smollm2_folder)
+        assert path.is_file() and not older.exists() and neighbour.exists()
+    finally:  # the model's folder is the user's cache: nothing of the test's left there
+        for planted in (neighbour, older):
+            planted.unlink(missing_ok=True)
     mapped, read = load_prepared(gguf, config, smollm2_folder), load_gguf_weights(gguf, config)
     assert set(made) == set(mapped) == set(read)
     layouts = 0
