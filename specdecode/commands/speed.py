@@ -307,7 +307,8 @@ def format_speed(r: dict) -> str:
     lines += [
         f"  limit         {r['limit_tokens_per_s']:8.2f} tok/s  ({r['weight_bytes_per_token'] / 1e9:.2f} GB per step "
         f"at {r['bandwidth_gb_per_s']:.1f} GB/s measured: {r['bandwidth_read']})",
-        f"  native reaches {100 * r['fraction_of_limit']:.0f}% of the limit",
+        f"  native reaches {100 * r['fraction_of_limit']:.0f}% of the limit (median of the repeats, each against "
+        f"the bandwidth read right after it)",
         f"  a pass over n tokens against one ({r['one_token_pass_ms']:.1f} ms, after 256 cached): {curve}",
         f"  weights held  {r['resident_weight_bytes'] / 1e9:.2f} GB",
     ]
