@@ -217,3 +217,18 @@ def test_a_refit_of_a_shipped_head_since_replaced_gives_way_to_the_new_one(tmp_p
     (tmp_path / "eagle" / eagle.CONFIG_FILE).write_text(json.dumps(record))
     monkeypatch.setattr(artifacts, "shipped_hash", lambda folder: "yet another")
     assert eagle.find("smollm2-135m-instruct", tmp_path) == tmp_path / "eagle"
+
+
+def test_a_heads_hash_reads_its_file_once_until_the_file_changes(tmp_path, monkeypatch):
+    """Asked on every drafter built on quantized weights: hashed again only when rewritten."""
+    tensors = {"head.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4)}
+    save_file(tensors, tmp_path / "heads.safetensors")
+    reads = []
+    real_load = artifacts.load_file
+    monkeypatch.setattr(artifacts, "load_file", lambda path: reads.append(path) or real_load(path))
+    first = artifacts.heads_hash(tmp_path)
+    assert artifacts.heads_hash(tmp_path) == first and len(reads) == 1
+    save_file({"head.weight": torch.ones(5, 4)}, tmp_path / "heads.safetensors")  # heads trained again
+    assert artifacts.heads_hash(tmp_path) != first and len(reads) == 2
+    save_file(tensors, tmp_path / "heads.safetensors")  # the same tensors written again: the same hash
+    assert artifacts.heads_hash(tmp_path) == first

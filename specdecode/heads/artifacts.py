@@ -9,6 +9,7 @@ trained again, or a newer package's)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -71,8 +72,16 @@ def heads_hash(folder: Path) -> str | None:
     weights = next(Path(folder).glob("*.safetensors"), None)
     if weights is None:
         return None
+    stat = weights.stat()
+    return _tensors_hash(str(weights.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+# Asked on every drafter built on quantized weights (each `generate`): a file is read and
+# hashed again only once it changes (tens of milliseconds for the shipped heads).
+@functools.lru_cache(maxsize=16)
+def _tensors_hash(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
-    for name, tensor in sorted(load_file(weights).items()):
+    for name, tensor in sorted(load_file(path).items()):
         digest.update(name.encode())
         digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
