@@ -237,7 +237,7 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
             + (f", llama.cpp {llamacpp[-1].tokens_per_s:.2f} tok/s" if llamacpp else "")
             + (f", transformers {hf[-1].tokens_per_s:.2f} tok/s" if hf else "")
             + f", memory read {bandwidths[-1] / 1e9:.1f} GB/s")
-    del bandwidth_now  # its buffer
+    del bandwidth_now, llamacpp_run  # the read buffer and llama.cpp's model: neither held while the passes are timed
     log("timing passes over 1, 2, 4, 8 and 16 tokens")
     curve = measure_verify_curve(model, CURVE_SIZES)
 
