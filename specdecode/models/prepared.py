@@ -30,7 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from specdecode.models.config import ModelConfig
 from specdecode.models.gguf_weights import read_gguf, requantized_note
 from specdecode.models.quant import QuantTensor, kernel_layout
-from specdecode.models.store import home, read_manifest
+from specdecode.models.store import home, read_manifest, sweep_partials
 
 log = logging.getLogger("specdecode")
 
@@ -114,6 +114,7 @@ def save_whole(payload: dict, path: Path, suffix: str) -> None:
     files kept for the same file key under other tags removed. A write that fails raises
     OSError, whichever layer refused it."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep_partials(path.parent)  # a load interrupted while it kept a copy leaves one (a gigabyte for a 1.5B model)
     partial = path.with_name(f".{path.name}.pid{os.getpid()}.partial")
     try:
         try:

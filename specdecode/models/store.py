@@ -251,7 +251,7 @@ def ensure_weights(
     path = folder / WEIGHT_FILES[dtype]
     if manifest is None:
         return path
-    _sweep_partials(folder)
+    sweep_partials(folder)
     if damaged is None:
         damaged = _damage(folder, dtype, manifest)
         if damaged is None:
@@ -416,8 +416,8 @@ def _link_for_transformers(folder: Path) -> None:
             partial.unlink()
 
 
-def _sweep_partials(folder: Path) -> None:
-    """Remove `.partial` files in a model folder whose writer has died."""
+def sweep_partials(folder: Path) -> None:
+    """Remove the `.partial` files in `folder` whose writer has died (a killed earlier run)."""
     for entry in folder.glob(".*.partial"):
         match = re.search(r"\.pid(\d+)\.partial$", entry.name)
         if match and not _alive(int(match.group(1))):

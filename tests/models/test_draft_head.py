@@ -100,6 +100,23 @@ def test_a_failed_write_of_a_kept_file_is_an_os_error_and_leaves_nothing(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
+def test_keeping_a_file_removes_what_killed_writers_left_and_spares_live_ones(tmp_path):
+    """A load killed while it kept a prepared copy leaves a `.partial` (a gigabyte for a
+    1.5B model): the next copy kept in that folder removes it, not a live writer's."""
+    import os
+
+    from specdecode.models.prepared import save_whole
+
+    dead_pid = 2**22 + 12345  # above Linux's pid_max default range, so no such process
+    dead = tmp_path / f".model-0000.000000000000.prepared.pt.pid{dead_pid}.partial"
+    live = tmp_path / f".model-0001.000000000000.prepared.pt.pid{os.getppid()}.partial"
+    for partial in (dead, live):
+        partial.write_bytes(b"half a copy")
+    save_whole({"format": 1}, tmp_path / "model-0000.abcdef012345.prepared.pt", ".prepared.pt")
+    assert not dead.exists() and live.exists()
+    assert torch.load(tmp_path / "model-0000.abcdef012345.prepared.pt", weights_only=True) == {"format": 1}
+
+
 @pytest.mark.real
 def test_a_gguf_draft_keeps_its_head_beside_the_prepared_copy_and_drafts_as_well(smollm2_folder, kernel_module):
     """SmolLM2's file stores its head in Q8_0: loaded to draft for itself, the five-bit head
