@@ -134,9 +134,9 @@ def built_copy(kernel_module, tmp_path):
     return kind, folder, {**os.environ, "SPECDECODE_HOME": str(tmp_path)}
 
 
-def load_in_a_new_process(kind: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", LOAD_KERNEL, kind], capture_output=True, text=True, env=env,
-                          timeout=300)
+def load_command(kind: str) -> list[str]:
+    """A new process that loads the `kind` build and prints "loaded"."""
+    return [sys.executable, "-c", LOAD_KERNEL, kind]
 
 
 def output_until(pipe, text: str, seconds: float) -> str:
@@ -157,7 +157,7 @@ def test_a_build_killed_midway_does_not_block_the_next_process(built_copy):
     process used to wait forever: the build lock is the OS's, so the leftover goes."""
     kind, folder, env = built_copy
     (folder / "lock").touch()
-    done = load_in_a_new_process(kind, env)
+    done = subprocess.run(load_command(kind), capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "loaded", done.stderr[-2000:]
     assert not (folder / "lock").exists()
 
@@ -168,8 +168,7 @@ def test_a_build_waits_for_another_process_building_and_says_so(built_copy):
     with subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(folder / "build.lock")], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True) as holder:
         assert holder.stdout.readline().strip() == "held"
-        with subprocess.Popen([sys.executable, "-c", LOAD_KERNEL, kind], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env) as loader:
+        with subprocess.Popen(load_command(kind), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as loader:
             said = output_until(loader.stderr, waiting, 120)
             holder.stdin.write("\n")  # let go only once the loader has said that it waits
             holder.stdin.flush()
