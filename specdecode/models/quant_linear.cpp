@@ -685,6 +685,28 @@ struct Q80X8 : Lanes8 {
     }
   }
 
+#ifndef VNNI
+  // `unpack` fills all 16 of AVX2's registers (the values and their magnitudes), so `dot`
+  // reads them back from memory for every row; here each four values of the eight rows are
+  // unpacked once for up to eight rows whose sums stay in registers (the same integers).
+  static constexpr int64_t CHUNK_ROWS = 8;
+  static constexpr int QUARTER_ROWS = 5;
+  template <int R, typename Inputs>
+  void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
+    const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m256i w = _mm256_xor_si256(load32(blk + 16 + 32 * t), _mm256_set1_epi8(static_cast<char>(0x80)));
+      const __m256i magnitude = _mm256_abs_epi8(w);
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m)
+        sum[m] = _mm256_add_epi32(
+            sum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast4(in.at(m, b, g) + 4 * t), w)),
+                                      ones));
+    }
+  }
+#endif
+
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
     return dot32(v, q);
@@ -742,6 +764,39 @@ struct Q50X8 : Lanes8 {
     v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(high, 2), fifth));
     v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(high, 3), fifth));
   }
+
+#ifndef VNNI
+  // As Q80X8's: eight values of the eight rows unpacked at a time, for up to eight rows whose
+  // sums stay in registers. Their two products add as int16 and widen at once (`dot` adds
+  // four before widening; eight rows' int16 sums would not fit beside the int32 ones): the
+  // same integers. Eight layers of Qwen2.5-Coder-0.5B's gate and up projections (Q5_0), AMD
+  // EPYC Zen 4 with the AVX2 build, 2 threads, interleaved, sum of each matrix's fastest of
+  // 5: 8 rows 4.3 -> 3.6 ms, 512 rows 249.5 -> 223.8.
+  static constexpr int64_t CHUNK_ROWS = 8;
+  static constexpr int QUARTER_ROWS = 5;
+  template <int R, typename Inputs>
+  void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
+    const __m256i high = load32(blk + 144);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = load32(blk + 16 + 32 * j);
+      // value t's fifth bit (bit t of `high`) to bit 4, as `unpack` moves it
+      const int shift = 4 - 2 * j;
+      const __m256i v0 = _mm256_or_si256(_mm256_and_si256(raw, low),
+                                         _mm256_and_si256(shift >= 0 ? _mm256_slli_epi16(high, shift) : _mm256_srli_epi16(high, -shift), fifth));
+      const __m256i v1 = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
+          _mm256_and_si256(shift - 1 >= 0 ? _mm256_slli_epi16(high, shift - 1) : _mm256_srli_epi16(high, 1 - shift), fifth));
+#pragma GCC unroll 8
+      for (int m = 0; m < R; ++m) {
+        const int8_t* q = in.at(m, b, g) + 8 * j;
+        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v0, broadcast4(q)), _mm256_maddubs_epi16(v1, broadcast4(q + 4)));
+        sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(p, ones));
+      }
+    }
+  }
+#endif
 
   __m256i dot(const int8_t* q) const {
 #ifdef VNNI
