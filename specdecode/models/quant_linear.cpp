@@ -477,7 +477,8 @@ struct Q4KX8 : Lanes8 {
 
 #ifndef VNNI
   // AVX2 has 16 vector registers: a whole unpacked group (eight) leaves room for four rows'
-  // sums, so a pass over five to eight rows unpacked every block twice. dot_rows takes a
+  // sums (fewer beside their fp32 lanes), so a pass over five to eight rows unpacked every
+  // block twice. dot_rows takes a
   // group a quarter at a time (32 bytes, two vectors) into eight rows' int16 sums at once.
   // The sums are the same integers in another order (no int16 partial sum can overflow, see
   // above), so the output is bitwise the unpack-and-dot path's. Qwen2.5-1.5B's Q4_K_M
@@ -487,8 +488,12 @@ struct Q4KX8 : Lanes8 {
   // every row's first sum, a branch and a register move beside each row's four instructions.
   // Eight layers' gate and up projections, 512 rows, same machine and build, interleaved,
   // sum of each matrix's fastest of 5: 664.6 -> 589.9 ms.
+  // From three rows on (every type's dot_rows): a verify pass of three or four tokens spilled
+  // its sums too. All of Qwen2.5-1.5B's Q4_K_M matrices streamed from memory, same machine
+  // and build, interleaved, median of 15: 3 rows 37.4 -> 35.8 ms, 4 rows 40.0 -> 37.1. One
+  // and two rows (x8_streams_rows) gained nothing there, streaming at the memory's rate.
   static constexpr int64_t CHUNK_ROWS = 8;
-  static constexpr int QUARTER_ROWS = 5;
+  static constexpr int QUARTER_ROWS = 3;
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
     const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * g)));
@@ -582,7 +587,7 @@ struct Q6KX8 : Lanes8 {
 
 #ifndef VNNI
   // As Q4KX8's: a quarter of a group at a time (two vectors unpacked) leaves AVX2's 16
-  // registers room for eight rows' sums, so a pass over five to eight rows unpacks each block
+  // registers room for eight rows' sums, so a pass over three to eight rows unpacks each block
   // once instead of twice and keeps its sums out of memory (`dot`'s unpacked group and
   // scales left four rows' sums no registers, so they lived on the stack). The quarter's
   // products are `dot`'s p[u], scaled as there: the same integers added in another order.
@@ -590,7 +595,7 @@ struct Q6KX8 : Lanes8 {
   // interleaved, sum of each matrix's fastest of 5: 512 rows 379.0 -> 334.4 ms, 64 rows
   // 43.9 -> 38.3, 8 rows 5.6 -> 4.8.
   static constexpr int64_t CHUNK_ROWS = 8;
-  static constexpr int QUARTER_ROWS = 5;
+  static constexpr int QUARTER_ROWS = 3;
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
     const __m256i low16 = _mm256_set1_epi32(0xFFFF);
@@ -690,7 +695,7 @@ struct Q80X8 : Lanes8 {
   // reads them back from memory for every row; here each four values of the eight rows are
   // unpacked once for up to eight rows whose sums stay in registers (the same integers).
   static constexpr int64_t CHUNK_ROWS = 8;
-  static constexpr int QUARTER_ROWS = 5;
+  static constexpr int QUARTER_ROWS = 3;
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -773,7 +778,7 @@ struct Q50X8 : Lanes8 {
   // EPYC Zen 4 with the AVX2 build, 2 threads, interleaved, sum of each matrix's fastest of
   // 5: 8 rows 4.3 -> 3.6 ms, 512 rows 249.5 -> 223.8.
   static constexpr int64_t CHUNK_ROWS = 8;
-  static constexpr int QUARTER_ROWS = 5;
+  static constexpr int QUARTER_ROWS = 3;
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
