@@ -478,8 +478,8 @@ struct Q4KX8 : Lanes8 {
 #ifndef VNNI
   // AVX2 has 16 vector registers: a whole unpacked group (eight) leaves room for four rows'
   // sums (fewer beside their fp32 lanes), so a pass over five to eight rows unpacked every
-  // block twice. dot_rows takes a
-  // group a quarter at a time (32 bytes, two vectors) into eight rows' int16 sums at once.
+  // block twice. dot_rows takes a group a quarter at a time (32 bytes, two vectors) into
+  // eight rows' int16 sums at once.
   // The sums are the same integers in another order (no int16 partial sum can overflow, see
   // above), so the output is bitwise the unpack-and-dot path's. Qwen2.5-1.5B's Q4_K_M
   // matrices (0.82 GB, all types), AMD EPYC Zen 4 with the AVX2 build, 2 threads, the two
