@@ -82,7 +82,7 @@ def test_each_row_is_bitwise_its_one_row_product(qtype, rows, kernel_module):
     data = kernel_layout(random_blocks(qtype, rows, 512, seed=2))
     x = torch.randn(17, 512, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     alone = torch.cat([kernel_module.quant_linear(x[i:i + 1], [data], None, rows) for i in range(17)])
-    for count in (2, 3, 8, 11, 17):
+    for count in (2, 3, 4, 8, 11, 17):  # verify passes of 1-3 drafts, and chunks of eight rows
         assert torch.equal(kernel_module.quant_linear(x[:count], [data], None, rows), alone[:count])
 
 
@@ -112,7 +112,7 @@ def test_every_build_this_cpu_runs_gives_the_same_products(qtype, kernel_module)
         pytest.skip(f"this CPU runs one build only ({', '.join(kinds)})")
     data = kernel_layout(random_blocks(qtype, 64, 17 * 256, seed=9))
     x = torch.randn(40, 17 * 256, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
-    for count in (1, 2, 5, 9, 40):
+    for count in (1, 2, 3, 4, 5, 9, 40):
         products = {kind: kernels._build(kind).quant_linear(x[:count], [data], None, 64) for kind in kinds}
         for kind, y in products.items():
             assert torch.equal(y, products[kinds[0]]), (kind, kinds[0], count)
