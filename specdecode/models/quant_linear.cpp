@@ -402,14 +402,20 @@ struct Q80 {
 // The vectors a repacked block type's per-row sums live in: one group of eight rows of
 // weights in 256-bit vectors or, with AVX-512 (Q4KPair), two groups' sixteen in 512-bit ones.
 struct Lanes8 {
-  // Rows that share a pass over the weights: with AVX-512's 32 vector registers eight rows'
-  // sums and lanes fit beside the unpacked block, with AVX2's 16 four do.
-#ifdef __AVX512VL__
+  // Rows that share a pass over the weights: eight. With AVX-512's 32 vector registers their
+  // sums and lanes fit beside a whole unpacked group (`unpack`, then `dot` per row). AVX2's 16
+  // hold them only beside a part of a group, so there each type's `dot_rows` unpacks a group a
+  // part at a time for all the rows, from QUARTER_ROWS rows on: with `unpack` and `dot`, four
+  // rows' sums already spilled to the stack. All of Qwen2.5-1.5B's Q4_K_M matrices streamed
+  // from memory, AMD EPYC Zen 4 with the AVX2 build, 2 threads, interleaved, median of 15: 3
+  // rows 37.4 -> 35.8 ms, 4 rows 40.0 -> 37.1 from 5 to 3; one and two rows (x8_streams_rows)
+  // gained nothing there, streaming at the memory's rate, and keep `dot`.
   static constexpr int64_t CHUNK_ROWS = 8;
+#ifdef VNNI
+  static constexpr int QUARTER_ROWS = 0;  // never
 #else
-  static constexpr int64_t CHUNK_ROWS = 4;
+  static constexpr int QUARTER_ROWS = 3;
 #endif
-  static constexpr int QUARTER_ROWS = 0;  // rows from which `dot_rows` takes a group (none here)
   using Int = __m256i;
   using Float = __m256;
   static Int zero_int() { return _mm256_setzero_si256(); }
@@ -488,12 +494,6 @@ struct Q4KX8 : Lanes8 {
   // every row's first sum, a branch and a register move beside each row's four instructions.
   // Eight layers' gate and up projections, 512 rows, same machine and build, interleaved,
   // sum of each matrix's fastest of 5: 664.6 -> 589.9 ms.
-  // From three rows on (every type's dot_rows): a verify pass of three or four tokens spilled
-  // its sums too. All of Qwen2.5-1.5B's Q4_K_M matrices streamed from memory, same machine
-  // and build, interleaved, median of 15: 3 rows 37.4 -> 35.8 ms, 4 rows 40.0 -> 37.1. One
-  // and two rows (x8_streams_rows) gained nothing there, streaming at the memory's rate.
-  static constexpr int64_t CHUNK_ROWS = 8;
-  static constexpr int QUARTER_ROWS = 3;
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
     const __m256i s32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 64 + 8 * g)));
@@ -594,8 +594,6 @@ struct Q6KX8 : Lanes8 {
   // Eight layers' down projections (Q6_K), AMD EPYC Zen 4 with the AVX2 build, 2 threads,
   // interleaved, sum of each matrix's fastest of 5: 512 rows 379.0 -> 334.4 ms, 64 rows
   // 43.9 -> 38.3, 8 rows 5.6 -> 4.8.
-  static constexpr int64_t CHUNK_ROWS = 8;
-  static constexpr int QUARTER_ROWS = 3;
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
     const __m256i low16 = _mm256_set1_epi32(0xFFFF);
@@ -694,8 +692,6 @@ struct Q80X8 : Lanes8 {
   // `unpack` fills all 16 of AVX2's registers (the values and their magnitudes), so `dot`
   // reads them back from memory for every row; here each four values of the eight rows are
   // unpacked once for up to eight rows whose sums stay in registers (the same integers).
-  static constexpr int64_t CHUNK_ROWS = 8;
-  static constexpr int QUARTER_ROWS = 3;
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -777,8 +773,6 @@ struct Q50X8 : Lanes8 {
   // same integers. Eight layers of Qwen2.5-Coder-0.5B's gate and up projections (Q5_0), AMD
   // EPYC Zen 4 with the AVX2 build, 2 threads, interleaved, sum of each matrix's fastest of
   // 5: 8 rows 4.3 -> 3.6 ms, 512 rows 249.5 -> 223.8.
-  static constexpr int64_t CHUNK_ROWS = 8;
-  static constexpr int QUARTER_ROWS = 3;
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
