@@ -564,11 +564,22 @@ struct Q6KX8 : Lanes8 {
     d = _mm256_loadu_ps(reinterpret_cast<const float*>(b));
   }
 
+  // Group g's two int8 scales per row as int16 (first half's, second half's), and each
+  // repeated in both halves of every 32-bit lane, as PMADDWD takes them.
+  __m256i scale_pairs(int g) const {
+    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
+  }
+  static __m256i first_of(__m256i pair) {  // group 2g's (s, s)
+    return _mm256_or_si256(_mm256_and_si256(pair, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(pair, 16));
+  }
+  static __m256i second_of(__m256i pair) {  // group 2g + 1's
+    return _mm256_or_si256(_mm256_srli_epi32(pair, 16), _mm256_andnot_si256(_mm256_set1_epi32(0xFFFF), pair));
+  }
+
   void unpack(int g) {
-    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
-    const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
-    first = _mm256_or_si256(_mm256_and_si256(pair, low16), _mm256_slli_epi32(pair, 16));  // group 2g's (s, s)
-    second = _mm256_or_si256(_mm256_srli_epi32(pair, 16), _mm256_andnot_si256(low16, pair));  // group 2g + 1's
+    const __m256i pair = scale_pairs(g);
+    first = first_of(pair);
+    second = second_of(pair);
     first32 = _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16);
     second32 = _mm256_srai_epi32(pair, 16);
     const __m256i low = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
@@ -596,10 +607,8 @@ struct Q6KX8 : Lanes8 {
   // 43.9 -> 38.3, 8 rows 5.6 -> 4.8.
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
-    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
-    const __m256i pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * g)));
-    const __m256i scales[2] = {_mm256_or_si256(_mm256_and_si256(pair, low16), _mm256_slli_epi32(pair, 16)),
-                               _mm256_or_si256(_mm256_srli_epi32(pair, 16), _mm256_andnot_si256(low16, pair))};
+    const __m256i pair = scale_pairs(g);
+    const __m256i scales[2] = {first_of(pair), second_of(pair)};
     const __m256i low = _mm256_set1_epi8(0xF), top = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
@@ -747,23 +756,23 @@ struct Q50X8 : Lanes8 {
   }
 
   void unpack(int) {
-    const __m256i low = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
+    const __m256i low = _mm256_set1_epi8(0xF);
     const __m256i high = load32(blk + 144);
     for (int j = 0; j < 4; ++j) {
       const __m256i raw = load32(blk + 16 + 32 * j);
       v[2 * j] = _mm256_and_si256(raw, low);
       v[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     }
-    // bit t of each byte to bit 4 of the same byte: 16-bit shifts by at most 4 left or 3
-    // right bring no other byte's bit there
-    v[0] = _mm256_or_si256(v[0], _mm256_and_si256(_mm256_slli_epi16(high, 4), fifth));
-    v[1] = _mm256_or_si256(v[1], _mm256_and_si256(_mm256_slli_epi16(high, 3), fifth));
-    v[2] = _mm256_or_si256(v[2], _mm256_and_si256(_mm256_slli_epi16(high, 2), fifth));
-    v[3] = _mm256_or_si256(v[3], _mm256_and_si256(_mm256_slli_epi16(high, 1), fifth));
-    v[4] = _mm256_or_si256(v[4], _mm256_and_si256(high, fifth));
-    v[5] = _mm256_or_si256(v[5], _mm256_and_si256(_mm256_srli_epi16(high, 1), fifth));
-    v[6] = _mm256_or_si256(v[6], _mm256_and_si256(_mm256_srli_epi16(high, 2), fifth));
-    v[7] = _mm256_or_si256(v[7], _mm256_and_si256(_mm256_srli_epi16(high, 3), fifth));
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) v[t] = _mm256_or_si256(v[t], fifth_bits(high, t));
+  }
+
+  // Bit t of each byte of `high` (values 4t..4t + 3's fifth bits) at bit 4 of the same byte:
+  // 16-bit shifts by at most 4 left or 3 right bring no other byte's bit there.
+  static __m256i fifth_bits(__m256i high, int t) {
+    const int shift = 4 - t;
+    const __m256i moved = shift >= 0 ? _mm256_slli_epi16(high, shift) : _mm256_srli_epi16(high, -shift);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
   }
 
 #ifndef VNNI
@@ -775,18 +784,13 @@ struct Q50X8 : Lanes8 {
   // 5: 8 rows 4.3 -> 3.6 ms, 512 rows 249.5 -> 223.8.
   template <int R, typename Inputs>
   void dot_rows(int g, const Inputs& in, int64_t b, __m256i* sum) const {
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0xF), fifth = _mm256_set1_epi8(0x10);
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0xF);
     const __m256i high = load32(blk + 144);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m256i raw = load32(blk + 16 + 32 * j);
-      // value t's fifth bit (bit t of `high`) to bit 4, as `unpack` moves it
-      const int shift = 4 - 2 * j;
-      const __m256i v0 = _mm256_or_si256(_mm256_and_si256(raw, low),
-                                         _mm256_and_si256(shift >= 0 ? _mm256_slli_epi16(high, shift) : _mm256_srli_epi16(high, -shift), fifth));
-      const __m256i v1 = _mm256_or_si256(
-          _mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
-          _mm256_and_si256(shift - 1 >= 0 ? _mm256_slli_epi16(high, shift - 1) : _mm256_srli_epi16(high, 1 - shift), fifth));
+      const __m256i v0 = _mm256_or_si256(_mm256_and_si256(raw, low), fifth_bits(high, 2 * j));
+      const __m256i v1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), fifth_bits(high, 2 * j + 1));
 #pragma GCC unroll 8
       for (int m = 0; m < R; ++m) {
         const int8_t* q = in.at(m, b, g) + 8 * j;
