@@ -122,7 +122,7 @@ def test_a_lookup_that_finds_no_match_lowers_its_acceptance(tiny):
     from specdecode.policy.costs import cost_model
 
     class NeverMatches(PromptLookup):
-        def propose(self, context, k, sampling=None, generator=None):
+        def propose(self, context, k, sampling=None, generator=None, tokens_left=None):
             return Proposal(torch.empty(0, dtype=torch.long))
 
     costs = cost_model({1: 0.01, 2: 0.0101, 4: 0.0103, 8: 0.011, 16: 0.012}, 0.0)

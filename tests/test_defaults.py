@@ -38,6 +38,8 @@ def test_costs_are_measured_once_then_read_back(home, tiny_pair, monkeypatch):
     figures = json.loads(files[0].read_text())
     assert set(figures["verify_seconds"]) == {str(n) for n in probe.PROBE_SIZES}
     assert figures["draft_step_s"] > 0 and figures["machine"]["threads"] == torch.get_num_threads()
+    assert figures["catch_up_token_s"] > 0 and costs.catch_up_ratio == pytest.approx(
+        figures["catch_up_token_s"] / figures["verify_seconds"]["1"])  # what reading a prompt costs the draft
     assert len(costs.verify_ratios) == max(probe.PROBE_SIZES) and costs.verify_ratios[0] == 1.0
     assert all(b >= a for a, b in zip(costs.verify_ratios, costs.verify_ratios[1:]))  # never cheaper for more rows
 
@@ -53,7 +55,7 @@ def test_costs_are_measured_once_then_read_back(home, tiny_pair, monkeypatch):
     monkeypatch.setattr(probe, "home", lambda: home)
     # prompt lookup (no draft model) gets figures of its own
     lookup_costs = probe.measured_costs(target, None)
-    assert lookup_costs.draft_ratio == 0.0 and len(list((home / "costs").glob("*.json"))) == 2
+    assert lookup_costs.draft_ratio == 0.0 and lookup_costs.catch_up_ratio == 0.0 and len(list((home / "costs").glob("*.json"))) == 2
 
 
 def test_a_damaged_cost_file_is_measured_again(home, tiny_pair):

@@ -172,7 +172,7 @@ class Recorder:
     def __init__(self, k):
         self.k, self.k_max, self.seen = k, k, []
 
-    def next_k(self):
+    def next_k(self, unread=0, tokens_left=None):
         return self.k
 
     def observe(self, num_drafted, num_accepted):

@@ -1,7 +1,8 @@
 """How the engine asks for the draft length k each round.
 
-A policy answers `next_k()` before a round and is told `observe(num_drafted,
-num_accepted)` after it; `fresh()` gives an unobserved copy for a new generation.
+A policy answers `next_k(unread, tokens_left)` before a round (the context tokens the
+drafter must read first, and the most the generation may still emit, which a policy may
+weigh against each other) and is told `observe(num_drafted, num_accepted)` after it; `fresh()` gives an unobserved copy for a new generation.
 `FixedK` is the constant policy; the adaptive one lives in policy/adaptive.py.
 """
 
@@ -13,7 +14,7 @@ from typing import Protocol
 class DraftLength(Protocol):
     k_max: int
 
-    def next_k(self) -> int: ...
+    def next_k(self, unread: int = 0, tokens_left: int | None = None) -> int: ...
 
     def observe(self, num_drafted: int, num_accepted: int) -> None: ...
 
@@ -25,7 +26,7 @@ class FixedK:
         self.k = k
         self.k_max = k
 
-    def next_k(self) -> int:
+    def next_k(self, unread: int = 0, tokens_left: int | None = None) -> int:
         return self.k
 
     def fresh(self) -> "FixedK":

@@ -101,8 +101,8 @@ def decode(
                 gate.observe(num_accepted)
             accepted_tokens = proposal.tokens[[node - 1 for node in path]].tolist()
         else:
-            k_round = min(policy.next_k(), budget) if drafter is not None else 0
-            draft_tokens, draft_probs = propose(drafter, context, k_round, sampling, generator)
+            k_round = min(policy.next_k(drafter.unread(context), budget), budget) if drafter is not None else 0
+            draft_tokens, draft_probs = propose(drafter, context, k_round, sampling, generator, budget)
             t1 = time.perf_counter()
             num_accepted, next_token = _verify(target, cache, context[-1], draft_tokens, draft_probs, sampling,
                                                generator)
@@ -132,10 +132,10 @@ def pick(logits: torch.Tensor, sampling: SamplingConfig, generator) -> list[int]
     return sample(logits_to_probs(logits, sampling), generator).tolist()
 
 
-def propose(drafter, context: list[int], k: int, sampling: SamplingConfig, generator):
+def propose(drafter, context: list[int], k: int, sampling: SamplingConfig, generator, tokens_left: int | None = None):
     if drafter is None or k < 1:
         return torch.empty(0, dtype=torch.long), None
-    proposal = drafter.propose(context, k, sampling, generator)
+    proposal = drafter.propose(context, k, sampling, generator, tokens_left=tokens_left)
     return proposal.tokens[:k], (None if proposal.probs is None else proposal.probs[:k])
 
 

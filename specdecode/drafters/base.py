@@ -48,7 +48,9 @@ class Drafter:
     target_layers: tuple[int, ...] = ()  # hidden states it needs from the target (may be empty)
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None, tokens_left: int | None = None) -> Proposal:
+        """Up to k tokens to follow the context; tokens_left: the most the generation may
+        still emit (None: unknown), for a drafter that judges whether drafting pays."""
         raise NotImplementedError
 
     def reset(self) -> None:

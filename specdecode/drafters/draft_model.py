@@ -47,7 +47,7 @@ class DraftModel(Drafter):
         self.cached: list[int] = []  # the tokens whose keys and values the cache holds
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingConfig,
-                generator: torch.Generator | None) -> Proposal:
+                generator: torch.Generator | None, tokens_left: int | None = None) -> Proposal:
         feed = self.sync(context, k)
         tokens, probs = [], []
         for _ in range(k):

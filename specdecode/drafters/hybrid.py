@@ -54,7 +54,8 @@ class LookupOrModel(Drafter):
         self.policy = _policy(self.model_k)
         self.pending: tuple[DraftLength, int, list[int]] | None = None  # (policy, context length, tokens) last drafted
 
-    def propose(self, context: Sequence[int], k: int, sampling=None, generator=None) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, sampling=None, generator=None,
+                tokens_left: int | None = None) -> Proposal:
         self._observe(context)
         k_lookup = min(k, self.lookup_policy.next_k())
         copied = self.lookup.propose(context, k_lookup) if k_lookup else Proposal(torch.empty(0, dtype=torch.long))
@@ -62,7 +63,7 @@ class LookupOrModel(Drafter):
             self.rounds["lookup"] += 1
             self.pending = (self.lookup_policy, len(context), copied.tokens.tolist())
             return copied
-        k_model = min(k, self.policy.next_k())
+        k_model = min(k, self.policy.next_k(self.model.unread(context), tokens_left))
         if k_model < 1:
             self.rounds["none"] += 1
             return Proposal(torch.empty(0, dtype=torch.long))

@@ -66,6 +66,7 @@ class PromptLookup(Drafter):
     def reset(self) -> None:
         self.index = NgramIndex(self.min_ngram, self.max_ngram)
 
-    def propose(self, context: Sequence[int], k: int, sampling=None, generator=None) -> Proposal:
+    def propose(self, context: Sequence[int], k: int, sampling=None, generator=None,
+                tokens_left: int | None = None) -> Proposal:
         self.index.update(context)
         return Proposal(torch.tensor(self.index.continuation(k, self.max_ngram), dtype=torch.long))

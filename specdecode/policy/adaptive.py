@@ -21,7 +21,11 @@ gain less than `DRAFT_PAYS` (a draft model almost as slow as the target, as a qu
 then cost more than drafting could bring back. A draft model must first catch up on every
 token since it last ran (on a long prompt, the whole prompt), and the estimate of α climbs
 a few hundredths a probe, so a draft that pays only near α = 1 would be probed for a
-hundred rounds before it ran, at a loss each time.
+hundred rounds before it ran, at a loss each time. For the same reason a draft model
+starts only when its catch-up (the context it has not read, at the cost per token the probe
+measured) costs fewer target steps than drafting at GOOD_ALPHA would save over the tokens
+the generation may still emit (`start_pays`): after a long prompt, a short answer stays
+undrafted.
 
 It follows the engine's draft-length interface (core/draft_length.py), as `FixedK` does
 for a constant k; a drafter that keeps a policy of its own (the hybrid) takes a `fresh()`
@@ -51,6 +55,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class CostModel:
     draft_ratio: float  # c: one draft step / one plain target step
     verify_ratios: Sequence[float] = DEFAULT_VERIFY_RATIOS  # [n-1]: pass over n tokens / pass over 1
+    catch_up_ratio: float = 0.0  # the draft's pass per context token it has not read / one plain target step
 
     def verify(self, num_tokens: int) -> float:
         ratios = self.verify_ratios
@@ -91,6 +96,9 @@ def best_k_from_rounds(rounds: Sequence[tuple[int, int]], costs: CostModel, k_ma
     return max(((k, speedup_from_rounds(rounds, costs, k)) for k in range(k_max + 1)), key=lambda kv: kv[1])
 
 
+# Rows of catch-up a draft model's step already pays for in c: each round it first reads the
+# target's accepted tokens and its correction (probe.py times that pass).
+CATCH_UP_ROWS = 3
 PROBE_PAYS = 1.1  # a batch's probe (goodput.py): the best speedup at full acceptance it needs
 # Acceptance on the prompts that suit a drafter best: the Qwen2.5-Coder pair's draft model
 # is accepted 0.87-0.91 of the time on code (README, Results).
@@ -124,6 +132,7 @@ class AdaptiveK:
     rounds_off: int = field(default=0, init=False)
     alpha_when_off: float = field(default=0.0, init=False)  # the estimate the last time it chose to stop
     history: list[int] = field(default_factory=list, init=False)  # k chosen each round
+    held_back: tuple[int, int] | None = field(default=None, init=False)  # (unread, tokens left) when a catch-up did not pay
 
     def fresh(self) -> "AdaptiveK":
         """The same policy before any observation: one per generation."""
@@ -133,7 +142,9 @@ class AdaptiveK:
     def alpha(self) -> float:
         return (self.accepted + self.prior_alpha * self.prior_weight) / (self.positions + self.prior_weight)
 
-    def next_k(self) -> int:
+    def next_k(self, unread: int = 0, tokens_left: int | None = None) -> int:
+        """The draft length for the next round; `unread`: context tokens the drafter must read
+        before it drafts, `tokens_left`: the most the generation may still emit (None: unknown)."""
         if not can_pay(self.costs, self.k_max):
             self.history.append(0)
             return 0
@@ -145,8 +156,24 @@ class AdaptiveK:
                 k = 1  # a cheap look: does drafting pay again?
         else:
             self.rounds_off = 0
+        if k and not self.start_pays(unread, tokens_left):
+            self.held_back, k = (unread, tokens_left), 0
         self.history.append(k)
         return k
+
+    def start_pays(self, unread: int, tokens_left: int | None) -> bool:
+        """Whether drafting now can repay the draft's catch-up: its pass over the unread context
+        tokens beyond the few a round already pays for, in target steps, against the steps
+        drafting saves over the tokens left if its drafts are accepted as often as good
+        drafts are (or more, as estimated). A draft model that has not read a long prompt
+        would spend longer reading it than a short answer can give back; after a short one
+        it starts, and the estimate decides from there."""
+        extra = unread - CATCH_UP_ROWS
+        if extra <= 0 or tokens_left is None or self.costs.catch_up_ratio <= 0:
+            return True
+        speedup = best_k(max(self.alpha, GOOD_ALPHA), self.costs, self.k_max)[1]
+        saved = tokens_left * (1 - 1 / speedup)  # target steps, were every token left emitted
+        return saved > extra * self.costs.catch_up_ratio
 
     def describe(self) -> str:
         """What the policy chose over a generation, and why, in one line."""
@@ -156,6 +183,10 @@ class AdaptiveK:
             return (f"off: a draft step costs {self.costs.draft_ratio:.2f} of a target step here; drafts "
                     f"accepted {GOOD_ALPHA:.0%} of the time would gain "
                     f"{best_k(GOOD_ALPHA, self.costs, self.k_max)[1]:.2f}x")
+        if self.held_back is not None and off > len(self.history) / 2:
+            unread, left = self.held_back
+            return (f"off: the draft would first read {unread} context tokens, which costs "
+                    f"{unread * self.costs.catch_up_ratio:.0f} target steps, more than drafting saves in {left} tokens")
         if not self.history or off > len(self.history) / 2:
             # the estimate that switched it off: a probe accepted since may have raised the current one
             return (f"off: acceptance {self.alpha_when_off:.2f} does not pay for the draft "

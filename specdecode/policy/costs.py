@@ -67,8 +67,9 @@ def measure_leaf_cost(model, num_leaves: int = 8, context: int = 256, repeats: i
     return max(0.0, (star - chain) / (num_leaves - 1))
 
 
-def cost_model(verify_seconds: dict[int, float], draft_step_s: float) -> CostModel:
-    """Ratios to one plain step, with the curve filled in linearly between measured sizes."""
+def cost_model(verify_seconds: dict[int, float], draft_step_s: float, catch_up_token_s: float = 0.0) -> CostModel:
+    """Ratios to one plain step, with the curve filled in linearly between measured sizes;
+    catch_up_token_s: the draft's pass per context token it reads (0: not measured)."""
     sizes = sorted(verify_seconds)
     one = verify_seconds[1]
     ratios = []
@@ -79,4 +80,4 @@ def cost_model(verify_seconds: dict[int, float], draft_step_s: float) -> CostMod
             verify_seconds[hi] - verify_seconds[lo]) * (n - lo) / (hi - lo)
         # A longer pass never costs less: timing noise must not make drafting look free.
         ratios.append(max([t / one, 1.0] + ratios[-1:]))
-    return CostModel(draft_ratio=draft_step_s / one, verify_ratios=tuple(ratios))
+    return CostModel(draft_ratio=draft_step_s / one, verify_ratios=tuple(ratios), catch_up_ratio=catch_up_token_s / one)

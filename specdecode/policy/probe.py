@@ -23,7 +23,7 @@ from pathlib import Path
 from specdecode.models import kernels
 from specdecode.models.store import home
 from specdecode.policy import machine
-from specdecode.policy.adaptive import CostModel
+from specdecode.policy.adaptive import CATCH_UP_ROWS, CostModel
 from specdecode.policy.costs import cost_model, measure_passes
 
 log = logging.getLogger("specdecode")
@@ -36,8 +36,10 @@ PROBE_CONTEXT = 128
 PROBE_REPEATS = 7
 # A draft model's step inside a generation costs more than its one-token pass alone: the
 # first pass of each round feeds the target's accepted tokens and its correction (a
-# catch-up over a few rows). The probe times a 3-row pass for it; c is their mean per draft.
-CATCH_UP_ROWS = 3
+# catch-up over CATCH_UP_ROWS rows). The probe times that pass too; c is their mean per draft.
+# Reading a prompt it has not seen is a pass over many rows: its cost per token is timed on
+# PROMPT_ROWS (the adaptive policy's `start_pays`).
+PROMPT_ROWS = 64
 
 
 def shape_of(model) -> str:
@@ -49,22 +51,24 @@ def cache_path(target_model, draft_model) -> Path:
     kind = kernels.kernel_kind()
     key = json.dumps([shape_of(target_model), shape_of(draft_model) if draft_model is not None else None,
                       machine.fingerprint(), kernels.source_tag(kind) if kind else None, PROBE_SIZES, CATCH_UP_ROWS,
-                      PROBE_REPEATS])
+                      PROMPT_ROWS, PROBE_REPEATS])
     return home() / "costs" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
 def measure(target_model, draft_model=None) -> dict:
-    """Seconds of the target's passes over n rows (PROBE_SIZES), and of the draft model's
-    step as a generation pays it (None without a draft model), timed interleaved."""
+    """Seconds of the target's passes over n rows (PROBE_SIZES), of the draft model's step as
+    a generation pays it and of its reading per context token (None without a draft model),
+    timed interleaved."""
     passes = {str(n): (target_model, n) for n in PROBE_SIZES}
     if draft_model is not None:
-        passes |= {"draft 1": (draft_model, 1), f"draft {CATCH_UP_ROWS}": (draft_model, CATCH_UP_ROWS)}
+        passes |= {f"draft {n}": (draft_model, n) for n in (1, CATCH_UP_ROWS, PROMPT_ROWS)}
     seconds = measure_passes(passes, PROBE_CONTEXT, PROBE_REPEATS)
-    draft_step = None
+    draft_step = catch_up_token = None
     if draft_model is not None:  # a round of k drafts: one catch-up pass, then k - 1 one-row passes
         draft_step = (seconds["draft 1"] + seconds[f"draft {CATCH_UP_ROWS}"]) / 2
+        catch_up_token = seconds[f"draft {PROMPT_ROWS}"] / PROMPT_ROWS
     return {"verify_seconds": {n: seconds[str(n)] for n in PROBE_SIZES}, "draft_step_s": draft_step,
-            "machine": machine.fingerprint()}
+            "catch_up_token_s": catch_up_token, "machine": machine.fingerprint()}
 
 
 def measured_costs(target_model, draft_model=None) -> CostModel:
@@ -75,13 +79,13 @@ def measured_costs(target_model, draft_model=None) -> CostModel:
     try:
         figures = json.loads(path.read_text())
         verify = {int(n): s for n, s in figures["verify_seconds"].items()}
-        draft_step = figures["draft_step_s"]
+        draft_step, catch_up_token = figures["draft_step_s"], figures["catch_up_token_s"]
     except (OSError, ValueError, KeyError, TypeError):  # none yet, or unreadable: measure again
         log.warning("measuring this machine's verify and draft costs, once (a few seconds)...")
         figures = measure(target_model, draft_model)
-        verify, draft_step = figures["verify_seconds"], figures["draft_step_s"]
+        verify, draft_step, catch_up_token = figures["verify_seconds"], figures["draft_step_s"], figures["catch_up_token_s"]
         write_figures(path, figures)
-    return cost_model(verify, draft_step or 0.0)
+    return cost_model(verify, draft_step or 0.0, catch_up_token or 0.0)
 
 
 def write_figures(path: Path, figures: dict) -> None:
