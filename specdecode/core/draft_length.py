@@ -2,7 +2,8 @@
 
 A policy answers `next_k(unread, tokens_left)` before a round (the context tokens the
 drafter must read first, and the most the generation may still emit, which a policy may
-weigh against each other) and is told `observe(num_drafted, num_accepted)` after it; `fresh()` gives an unobserved copy for a new generation.
+weigh against each other) and is told `observe(num_drafted, num_accepted)` after it;
+`fresh()` gives an unobserved copy for a new generation.
 `FixedK` is the constant policy; the adaptive one lives in policy/adaptive.py.
 """
 
