@@ -186,7 +186,8 @@ class AdaptiveK:
         if self.held_back is not None and off > len(self.history) / 2:
             unread, left = self.held_back
             return (f"off: the draft would first read {unread} context tokens, which costs "
-                    f"{unread * self.costs.catch_up_ratio:.0f} target steps, more than drafting saves in {left} tokens")
+                    f"{(unread - CATCH_UP_ROWS) * self.costs.catch_up_ratio:.0f} target steps, more than drafting "
+                    f"saves in {left} tokens")
         if not self.history or off > len(self.history) / 2:
             # the estimate that switched it off: a probe accepted since may have raised the current one
             return (f"off: acceptance {self.alpha_when_off:.2f} does not pay for the draft "
