@@ -2,6 +2,7 @@
 simulation with known acceptance (time is simulated from the cost model, never measured),
 in the real engine, and tuning profiles."""
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -344,3 +345,78 @@ def test_the_hybrids_copies_take_the_length_a_pass_here_pays_for():
         assert hybrid.lookup_policy.positions == 1 and hybrid.lookup_policy.accepted == 0
         assert hybrid.policy.positions == 0
     assert lengths["dear"] == 2 and lengths["flat"] > 4
+
+
+def simulate_timed(policy, alpha: float, probed: CostModel, real: CostModel, rounds=3000, seed=0) -> float:
+    """Speedup over plain decoding when a round really costs `real` (in plain steps) while
+    the policy was given `probed`; the policy is told each round's time, as the engine does."""
+    rng = random.Random(seed)
+    tokens = time = 0.0
+    for _ in range(rounds):
+        k = policy.next_k()
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        policy.observe(k, accepted)
+        seconds = 0.040 * real.cost(k)  # a 40 ms plain step
+        policy.observe_time(k, seconds)
+        tokens += accepted + 1
+        time += real.cost(k)
+    return tokens / time
+
+
+ZEN3_PROBE = CostModel(0.45, (1.0, 1.06, 1.15, 1.39, 1.52, 1.74, 1.96, 2.39, 2.81))
+
+
+def scaled(costs: CostModel, factor: float) -> CostModel:
+    """Drafting and passes over several tokens `factor` times dearer; a plain step the same."""
+    return CostModel(costs.draft_ratio * factor, (1.0,) + tuple(v * factor for v in costs.verify_ratios[1:]))
+
+
+def test_adaptive_prices_drafting_at_what_its_rounds_cost_not_at_the_probe():
+    """On an AMD EPYC a pass over a few tokens cost 1.3-1.5 plain steps inside generations
+    where the probe had timed 1.15: the machine's memory phase moved since. Drafts accepted
+    75% of the time gain 1.16x at the probe's costs and lose 11% at costs 30% higher; the
+    policy times its rounds (a plain step among them now and then), so it stops drafting
+    there, and where the probe was right it drafts as before."""
+    dearer = scaled(ZEN3_PROBE, 1.3)
+    untimed = simulate(AdaptiveK(ZEN3_PROBE), lambda r: 0.75, dearer)
+    assert untimed < 0.92  # priced at the probe's costs, it keeps drafting at a loss
+    assert simulate_timed(AdaptiveK(ZEN3_PROBE), 0.75, ZEN3_PROBE, dearer) >= 0.97
+    as_probed = simulate_timed(AdaptiveK(ZEN3_PROBE), 0.75, ZEN3_PROBE, ZEN3_PROBE)
+    assert as_probed >= 0.98 * simulate(AdaptiveK(ZEN3_PROBE), lambda r: 0.75, ZEN3_PROBE) > 1.1
+    cheaper = scaled(ZEN3_PROBE, 0.8)
+    timed = AdaptiveK(ZEN3_PROBE)  # rounds cheaper than probed: it drafts on at 0.5, where it would stop
+    assert simulate_timed(timed, 0.55, ZEN3_PROBE, cheaper) > simulate(AdaptiveK(ZEN3_PROBE), lambda r: 0.55, cheaper)
+    assert "drafted rounds cost 0.80x the measured price" in timed.describe()
+
+
+def test_the_clock_times_a_plain_step_after_the_first_drafted_rounds_then_every_sixteen():
+    policy = AdaptiveK(CostModel(0.1, FLAT), prior_alpha=0.9)
+    ks = []
+    for _ in range(40):
+        ks.append(policy.next_k())
+        policy.observe(ks[-1], ks[-1])  # every draft accepted
+        policy.observe_time(ks[-1], 0.040 * policy.costs.cost(ks[-1]))
+    plain = [i for i, k in enumerate(ks) if k == 0]
+    assert plain == [3, 20, 37]  # after three timed rounds, then sixteen drafted ones apart
+    assert policy.clock.scale() == pytest.approx(1.0)
+    reading = AdaptiveK(CostModel(0.1, FLAT), prior_alpha=0.9)  # rounds that read a long context are not timed
+    for _ in range(5):
+        reading.observe_time(reading.next_k(unread=500), 1.0)
+    assert len(reading.clock.drafted) == 0
+
+
+def test_a_draft_model_judged_not_to_pay_is_not_probed_but_prompt_lookup_is():
+    """Off, the policy probes with k = 1 every 16 rounds. A draft model's probe first reads every
+    token since it last ran (0.13 of a target step each on the Zen 3), so once its drafts
+    were judged not to pay it stays off; prompt lookup reads for free and keeps probing."""
+    draft = AdaptiveK(dataclasses.replace(ZEN3_PROBE, catch_up_ratio=0.13))
+    lookup = AdaptiveK(CostModel(0.0, (1.0, 1.3, 1.6, 1.9, 2.2)))
+    for policy in (draft, lookup):
+        for _ in range(20):
+            policy.observe(1, 0)  # rejected: α falls below where drafting pays
+    draft_ks = [draft.next_k(unread=1 + i, tokens_left=500) for i in range(48)]
+    lookup_ks = [lookup.next_k(unread=0, tokens_left=500) for _ in range(48)]
+    assert sum(draft_ks) == 0
+    assert lookup_ks.count(1) == 3 and lookup_ks[15] == 1

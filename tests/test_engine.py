@@ -170,13 +170,16 @@ class Recorder:
     """A fixed-k policy that records what it is told."""
 
     def __init__(self, k):
-        self.k, self.k_max, self.seen = k, k, []
+        self.k, self.k_max, self.seen, self.timed = k, k, [], []
 
     def next_k(self, unread=0, tokens_left=None):
         return self.k
 
     def observe(self, num_drafted, num_accepted):
         self.seen.append((num_drafted, num_accepted))
+
+    def observe_time(self, num_drafted, seconds):
+        self.timed.append((num_drafted, seconds))
 
     def fresh(self):
         return self

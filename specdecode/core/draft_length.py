@@ -2,7 +2,8 @@
 
 A policy answers `next_k(unread, tokens_left)` before a round (the context tokens the
 drafter must read first, and the most the generation may still emit, which a policy may
-weigh against each other) and is told `observe(num_drafted, num_accepted)` after it;
+weigh against each other) and is told `observe(num_drafted, num_accepted)` after it, and
+`observe_time(num_drafted, seconds)`, the round's wall time (drafting and verifying);
 `fresh()` gives an unobserved copy for a new generation.
 `FixedK` is the constant policy; the adaptive one lives in policy/adaptive.py.
 """
@@ -19,6 +20,8 @@ class DraftLength(Protocol):
 
     def observe(self, num_drafted: int, num_accepted: int) -> None: ...
 
+    def observe_time(self, num_drafted: int, seconds: float) -> None: ...
+
     def fresh(self) -> "DraftLength": ...
 
 
@@ -34,4 +37,7 @@ class FixedK:
         return self
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def observe_time(self, num_drafted: int, seconds: float) -> None:
         pass

@@ -110,6 +110,8 @@ def decode(
             policy.observe(len(draft_tokens), num_accepted)
             num_drafted, accepted_tokens = len(draft_tokens), draft_tokens[:num_accepted].tolist()
         t2 = time.perf_counter()
+        if not is_tree:
+            policy.observe_time(num_drafted, t2 - t0)
 
         emitted = accepted_tokens + [next_token]
         checked = len(new_tokens)

@@ -14,11 +14,15 @@ alone does, so that copies stay short where a pass over many tokens is dear, as 
 CPUs) and `model_k`. What the target accepted is read from the next
 context, as every drafter does: the accepted drafts are the common prefix of the
 proposal and the tokens that followed (a correction token never equals the draft token
-it replaces, greedy or sampled), so the engine needs no extra call.
+it replaces, greedy or sampled), so the engine needs no extra call. What a round cost is
+read the same way, as the time from one proposal to the next: the model part's policy is
+told of its own rounds and of the plain steps (rounds where neither part drafted), which
+its clock prices drafting against (policy/round_clock.py).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -52,33 +56,40 @@ class LookupOrModel(Drafter):
         self.lookup.reset()
         self.lookup_policy = _policy(self.lookup_k)
         self.policy = _policy(self.model_k)
-        self.pending: tuple[DraftLength, int, list[int]] | None = None  # (policy, context length, tokens) last drafted
+        # (policy or None for a plain step, context length, tokens, when the round began) last proposed
+        self.pending: tuple[DraftLength | None, int, list[int], float] | None = None
 
     def propose(self, context: Sequence[int], k: int, sampling=None, generator=None,
                 tokens_left: int | None = None) -> Proposal:
-        self._observe(context)
+        now = time.perf_counter()
+        self._observe(context, now)
         k_lookup = min(k, self.lookup_policy.next_k())
         copied = self.lookup.propose(context, k_lookup) if k_lookup else Proposal(torch.empty(0, dtype=torch.long))
         if len(copied.tokens):
             self.rounds["lookup"] += 1
-            self.pending = (self.lookup_policy, len(context), copied.tokens.tolist())
+            self.pending = (self.lookup_policy, len(context), copied.tokens.tolist(), now)
             return copied
         k_model = min(k, self.policy.next_k(self.model.unread(context), tokens_left))
         if k_model < 1:
             self.rounds["none"] += 1
+            self.pending = (None, len(context), [], now)
             return Proposal(torch.empty(0, dtype=torch.long))
         self.rounds["model"] += 1
         proposal = self.model.propose(context, k_model, sampling, generator)
-        self.pending = (self.policy, len(context), proposal.tokens.tolist())
+        self.pending = (self.policy, len(context), proposal.tokens.tolist(), now)
         return proposal
 
-    def _observe(self, context: Sequence[int]) -> None:
-        """Tell the policy of the part that drafted last how its draft fared, from what followed it."""
+    def _observe(self, context: Sequence[int], now: float) -> None:
+        """Tell the policy of the part that drafted last how its draft fared, from what followed
+        it, and the model part's policy what its round or a plain step took."""
         if self.pending is None:
             return
-        policy, start, drafted = self.pending
+        policy, start, drafted, began = self.pending
         self.pending = None
-        policy.observe(len(drafted), _common_prefix(drafted, context[start:]))
+        if policy is not None:
+            policy.observe(len(drafted), _common_prefix(drafted, context[start:]))
+        if policy is None or policy is self.policy:
+            self.policy.observe_time(len(drafted), now - began)
 
 
 def _policy(k: int | AdaptiveK) -> DraftLength:

@@ -23,9 +23,14 @@ token since it last ran (on a long prompt, the whole prompt), and the estimate o
 a few hundredths a probe, so a draft that pays only near α = 1 would be probed for a
 hundred rounds before it ran, at a loss each time. For the same reason a draft model
 starts only when its catch-up (the context it has not read, at the cost per token the probe
-measured) costs fewer target steps than drafting at GOOD_ALPHA would save over the tokens
-the generation may still emit (`start_pays`): after a long prompt, a short answer stays
-undrafted.
+measured) costs fewer target steps than drafting would save over the tokens the generation
+may still emit, at the acceptance it estimates (`start_pays`): after a long prompt, a short
+answer stays undrafted, and a draft model judged not to pay is not probed again, since each
+probe would first read every token since it last ran (on an AMD EPYC Zen 3, 0.13 of a
+target step a token: more than 13% of the rounds between probes). The probe's costs are
+another moment's: the policy also times its own rounds (round_clock.py), a plain step
+every `time_every` drafted rounds among them, and scales the cost of drafting by how far
+the drafted rounds missed the model's price.
 
 It follows the engine's draft-length interface (core/draft_length.py), as `FixedK` does
 for a constant k; a drafter that keeps a policy of its own (the hybrid) takes a `fresh()`
@@ -37,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
+
+from specdecode.policy.round_clock import RoundClock
 
 # Target pass over n tokens / over one, n = 1..12: Qwen2.5-Coder-1.5B, bf16, 2 cores, after
 # 256 cached tokens, medians of 5 (`specdecode tune` measures it for any model and machine;
@@ -127,12 +134,16 @@ class AdaptiveK:
     prior_weight: float = 4.0  # the prior counts as this many observed positions
     forget: float = 0.9  # per round; about the last 10 rounds dominate
     probe_every: int = 16
+    time_every: int = 16  # drafted rounds between plain steps timed for the clock
     accepted: float = field(default=0.0, init=False)
     positions: float = field(default=0.0, init=False)  # draft positions the target judged
     rounds_off: int = field(default=0, init=False)
     alpha_when_off: float = field(default=0.0, init=False)  # the estimate the last time it chose to stop
     history: list[int] = field(default_factory=list, init=False)  # k chosen each round
     held_back: tuple[int, int] | None = field(default=None, init=False)  # (unread, tokens left) when a catch-up did not pay
+    clock: RoundClock = field(default_factory=RoundClock, init=False)  # this generation's rounds, timed
+    since_plain: int = field(default=0, init=False)  # drafted rounds since the last plain one
+    last_unread: int = field(default=0, init=False)  # context the drafter read before the round: a long read is not timed
 
     def fresh(self) -> "AdaptiveK":
         """The same policy before any observation: one per generation."""
@@ -142,36 +153,53 @@ class AdaptiveK:
     def alpha(self) -> float:
         return (self.accepted + self.prior_alpha * self.prior_weight) / (self.positions + self.prior_weight)
 
+    @property
+    def live_costs(self) -> CostModel:
+        """The cost model with drafting priced as this generation's rounds cost (round_clock.py).
+        The catch-up's price stays the probe's: rounds that read a prompt are not timed."""
+        scale = self.clock.scale()
+        if scale == 1.0:
+            return self.costs
+        return dataclasses.replace(self.costs, draft_ratio=self.costs.draft_ratio * scale,
+                                   verify_ratios=tuple(v * scale for v in self.costs.verify_ratios))
+
     def next_k(self, unread: int = 0, tokens_left: int | None = None) -> int:
         """The draft length for the next round; `unread`: context tokens the drafter must read
         before it drafts, `tokens_left`: the most the generation may still emit (None: unknown)."""
-        if not can_pay(self.costs, self.k_max):
+        self.last_unread = unread
+        if not can_pay(self.costs, self.k_max):  # the machine's gate: on the costs it measured
             self.history.append(0)
             return 0
-        k, _ = best_k(self.alpha, self.costs, self.k_max)
+        k, _ = best_k(self.alpha, self.live_costs, self.k_max)
+        probing = False
         if k == 0:
             self.alpha_when_off = self.alpha
             self.rounds_off += 1
-            if self.rounds_off % self.probe_every == 0:
-                k = 1  # a cheap look: does drafting pay again?
+            probing = self.rounds_off % self.probe_every == 0
+            k = 1 if probing else 0  # a cheap look: does drafting pay again?
         else:
             self.rounds_off = 0
         if k and not self.start_pays(unread, tokens_left):
-            self.held_back, k = (unread, tokens_left), 0
+            if not probing:  # drafting would pay but for the reading: say so
+                self.held_back = (unread, tokens_left)
+            k = 0
+        if k and self.clock.plain_step_due(self.since_plain, self.time_every):
+            k = 0  # a plain step, timed: the drafted rounds are priced against it
         self.history.append(k)
         return k
 
     def start_pays(self, unread: int, tokens_left: int | None) -> bool:
         """Whether drafting now can repay the draft's catch-up: its pass over the unread context
         tokens beyond the few a round already pays for, in target steps, against the steps
-        drafting saves over the tokens left if its drafts are accepted as often as good
-        drafts are (or more, as estimated). A draft model that has not read a long prompt
-        would spend longer reading it than a short answer can give back; after a short one
-        it starts, and the estimate decides from there."""
+        drafting saves over the tokens left at the acceptance estimated now. A draft model
+        that has not read a long prompt would spend longer reading it than a short answer
+        can give back; a probe while drafting does not pay at the estimate (k = 1 every
+        `probe_every` rounds) is a reading of every token since the draft last ran, which
+        only a drafter that reads for free (prompt lookup) can afford."""
         extra = unread - CATCH_UP_ROWS
         if extra <= 0 or tokens_left is None or self.costs.catch_up_ratio <= 0:
             return True
-        speedup = best_k(max(self.alpha, GOOD_ALPHA), self.costs, self.k_max)[1]
+        speedup = best_k(self.alpha, self.live_costs, self.k_max)[1]
         saved = tokens_left * (1 - 1 / speedup)  # target steps, were every token left emitted
         return saved > extra * self.costs.catch_up_ratio
 
@@ -188,12 +216,26 @@ class AdaptiveK:
             return (f"off: the draft would first read {unread} context tokens, which costs "
                     f"{(unread - CATCH_UP_ROWS) * self.costs.catch_up_ratio:.0f} target steps, more than drafting "
                     f"saves in {left} tokens")
+        scale = self.clock.scale()
+        priced = f", drafted rounds cost {scale:.2f}x the measured price" if scale != 1.0 else ""
         if not self.history or off > len(self.history) / 2:
             # the estimate that switched it off: a probe accepted since may have raised the current one
             return (f"off: acceptance {self.alpha_when_off:.2f} does not pay for the draft "
-                    f"(it pays from {break_even_alpha(self.costs, self.k_max):.2f} here)")
+                    f"(it pays from {break_even_alpha(self.live_costs, self.k_max):.2f} here{priced})")
         span = f"{min(drafting)}-{max(drafting)}" if min(drafting) < max(drafting) else f"{drafting[0]}"
-        return f"k adaptive {span}, acceptance {self.alpha:.2f}" + (f", off {off} of {len(self.history)} rounds" if off else "")
+        return (f"k adaptive {span}, acceptance {self.alpha:.2f}" + (f", off {off} of {len(self.history)} rounds" if off else "")
+                + priced)
+
+    def observe_time(self, num_drafted: int, seconds: float) -> None:
+        """The wall time of the round just observed, drafting and verifying, for the clock.
+        A round whose drafter first read more context than a round's catch-up is not timed."""
+        if num_drafted == 0:
+            self.clock.add_plain(seconds)
+            self.since_plain = 0
+            return
+        self.since_plain += 1
+        if self.last_unread <= CATCH_UP_ROWS:
+            self.clock.add_drafted(seconds, self.costs.cost(num_drafted))
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
