@@ -103,6 +103,7 @@ def test_adaptive_in_the_engine_keeps_output_and_mostly_stops_drafting(tiny_llam
     assert [t for ev in rounds for t in ev.token_ids] == plain
     drafting = sum(1 for ev in rounds if ev.num_drafted)
     assert drafting <= 0.3 * len(rounds)
+    assert len(policy.clock.plain) == 4  # the engine told it what its plain steps took (the latest four kept)
 
 
 def test_a_draft_model_starts_only_where_reading_the_context_repays_itself():

@@ -201,6 +201,9 @@ def test_hybrid_copies_repeats_drafts_elsewhere_and_is_greedy_identical(tiny, ti
         assert hybrid.rounds["lookup"] > 0 and hybrid.rounds["model"] > 0
         assert len(recorder.seen) >= hybrid.rounds["model"] - 1  # the last draft may end the generation
         assert all(d <= 3 for d, _ in recorder.seen) and recorder.seen[0][0] == 3  # the budget may cut the last
+        # each model round timed from its proposal to the next, in the order judged
+        assert [d for d, _ in recorder.timed] == [d for d, _ in recorder.seen]
+        assert all(seconds > 0 for _, seconds in recorder.timed)
         if always_right:  # the target drafting for itself: every model draft accepted
             assert all(a == d for d, a in recorder.seen)
         else:
