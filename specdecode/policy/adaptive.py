@@ -142,7 +142,6 @@ class AdaptiveK:
     history: list[int] = field(default_factory=list, init=False)  # k chosen each round
     held_back: tuple[int, int] | None = field(default=None, init=False)  # (unread, tokens left) when a catch-up did not pay
     clock: RoundClock = field(default_factory=RoundClock, init=False)  # this generation's rounds, timed
-    since_plain: int = field(default=0, init=False)  # drafted rounds since the last plain one
     last_unread: int = field(default=0, init=False)  # context the drafter read before the round: a long read is not timed
 
     def fresh(self) -> "AdaptiveK":
@@ -183,7 +182,7 @@ class AdaptiveK:
             if not probing:  # drafting would pay but for the reading: say so
                 self.held_back = (unread, tokens_left)
             k = 0
-        if k and self.clock.plain_step_due(self.since_plain, self.time_every):
+        if k and self.clock.plain_step_due(self.time_every):
             k = 0  # a plain step, timed: the drafted rounds are priced against it
         self.history.append(k)
         return k
@@ -231,11 +230,9 @@ class AdaptiveK:
         A round whose drafter first read more context than a round's catch-up is not timed."""
         if num_drafted == 0:
             self.clock.add_plain(seconds)
-            self.since_plain = 0
-            return
-        self.since_plain += 1
-        if self.last_unread <= CATCH_UP_ROWS:
-            self.clock.add_drafted(seconds, self.costs.cost(num_drafted))
+        else:
+            timed = self.last_unread <= CATCH_UP_ROWS
+            self.clock.add_drafted(seconds, self.costs.cost(num_drafted) if timed else None)
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:

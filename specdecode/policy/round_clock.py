@@ -26,19 +26,24 @@ SCALE_RANGE = (0.5, 3.0)  # however the timings went, the probe's costs keep som
 class RoundClock:
     plain: deque = field(default_factory=lambda: deque(maxlen=PLAIN_KEPT))  # seconds of a plain step
     drafted: deque = field(default_factory=lambda: deque(maxlen=DRAFTED_KEPT))  # (seconds, predicted plain steps)
+    since_plain: int = 0  # drafted rounds since the last plain step, timed or not
 
     def add_plain(self, seconds: float) -> None:
         self.plain.append(seconds)
+        self.since_plain = 0
 
-    def add_drafted(self, seconds: float, predicted_steps: float) -> None:
-        self.drafted.append((seconds, predicted_steps))
+    def add_drafted(self, seconds: float, predicted_steps: float | None) -> None:
+        """A drafted round; predicted_steps None: not timed (it read a long context first)."""
+        self.since_plain += 1
+        if predicted_steps is not None:
+            self.drafted.append((seconds, predicted_steps))
 
-    def plain_step_due(self, drafted_since: int, every: int) -> bool:
+    def plain_step_due(self, every: int) -> bool:
         """Whether the next round should be a plain step, to be timed: once the first drafted
         rounds are timed, then every `every` drafted rounds, so the price stays current."""
         if not self.plain:
             return len(self.drafted) >= DRAFTED_NEEDED
-        return drafted_since >= every
+        return self.since_plain >= every
 
     def scale(self) -> float:
         """How many times the model's price the drafted rounds cost, in plain steps timed in
