@@ -70,6 +70,83 @@ def test_the_kernels_read_of_memory_in_streams_reads_every_byte_once(kernel_modu
         kernel_module.read_streams(values, 0)
 
 
+CHAINS = 12  # peak.cpp's chains a thread
+
+
+def wrapped(value: int, bits: int) -> int:
+    return (value + 2 ** (bits - 1)) % 2 ** bits - 2 ** (bits - 1)
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_the_peak_loop_performs_every_multiply_add_it_counts(kernel_module, quantized):
+    """The rate is work over time: the checksum of every chain on every thread must be what
+    the instruction computes over all the steps counted (a loop the compiler shortened
+    would report a peak no product reaches, and a floor that is no floor)."""
+    import torch
+
+    steps, threads = 1_000_003, torch.get_num_threads()
+    rate, checksum = kernel_module.multiply_add_peak(quantized, steps)
+    vnni = kernel_module.kind in ("avx512", "amx")
+    if quantized:  # inputs 1 (unsigned) times c + 1 (signed), summed in lanes that wrap
+        lanes, per_lane, bits = (16, 4, 32) if vnni else (16, 2, 16)  # VPDPBUSD's int32 or VPMADDUBSW's int16
+        expected = threads * sum(lanes * wrapped(steps * per_lane * (c + 1), bits) for c in range(CHAINS))
+    else:  # 1 x 1 into fp32 lanes: 16 lanes of two products (VDPBF16PS) or 8 FMAs
+        expected = threads * CHAINS * (32 if vnni else 8) * steps
+    assert checksum == expected and rate > 0
+    with pytest.raises(RuntimeError, match="iterations"):
+        kernel_module.multiply_add_peak(quantized, 2 ** 24 + 1)  # fp32 chains would round past it
+
+
+def test_no_product_outruns_the_peak_its_floor_is_taken_from(kernel_module):
+    """The floor is a floor only if every product's multiply-adds run at most at the peak
+    measured: sixteen rows through a matrix in cache (bound by arithmetic, not memory), at
+    the fastest of many runs, stay under it. With AMX no peak is reported: its tiles run
+    far faster than the instruction timed."""
+    import torch
+
+    from specdecode.models.linear import Linear
+    from specdecode.models.quant import QuantLinear
+    from tests.models.test_quant import random_blocks
+
+    peaks = speed.measure_multiply_add_peaks()
+    if kernel_module.kind == "amx":
+        assert peaks == {}
+        return
+    x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    weight = (torch.randn(1024, 4096, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    from gguf import GGMLQuantizationType as T
+
+    products = {"quant": QuantLinear([random_blocks(T.Q4_K, 1024, 4096)]), kernel_module.kind: Linear(weight)}
+    for backend, product in products.items():
+        assert product.backend == backend
+        product(x)
+        fastest = min(_timed(lambda: product(x)) for _ in range(30))
+        assert 16 * 1024 * 4096 / fastest < 1.25 * peaks[backend], backend
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def test_the_verify_floor_takes_each_matrix_at_its_backends_peak():
+    """A pass over n tokens costs at least n tokens' multiply-adds at the peak, in one-token
+    passes, and never less than one pass."""
+    from types import SimpleNamespace
+
+    def matrix(backend, n_in, n_out):
+        return SimpleNamespace(backend=backend, in_features=n_in, out_features=n_out)
+
+    layer = SimpleNamespace(matrices=[matrix("quant", 100, 300), matrix("avx2", 100, 100)])
+    model = SimpleNamespace(layers=[layer, layer], lm_head=matrix("quant", 100, 400))
+    peaks = {"quant": 1e6, "avx2": 0.5e6}  # the bf16 matrices take twice as long a multiply-add
+    seconds = speed.multiply_add_seconds_per_token(model, peaks)
+    assert seconds == pytest.approx((2 * 30_000 + 40_000) / 1e6 + 2 * 10_000 / 0.5e6)  # 0.14 s
+    assert speed.verify_floor(seconds, 0.28, (1, 2, 4, 8)) == {"1": 1.0, "2": 1.0, "4": 2.0, "8": 4.0}
+    assert speed.multiply_add_seconds_per_token(model, {"quant": 1e6}) is None  # a backend with no peak
+
+
 def test_the_bandwidth_limit_is_the_fastest_read_and_says_which(monkeypatch):
     rates = {"small": [("torch sum", 20e9), ("4 streams a thread", 31e9)],
              "huge": [("torch sum", 24e9), ("4 streams a thread", 30e9)]}
@@ -93,6 +170,14 @@ def test_speed_on_smollm2_runs_both_sides_and_reports(smollm2_folder):
         assert r[f"{side}_tokens_per_s"] > 0 and r[f"{side}_prefill_s"] > 0
     assert r["prompt_tokens"] > 1 and r["weight_bytes_per_token"] > 0 and r["bandwidth_gb_per_s"] > 0
     assert "of the limit" in format_speed(r) and r["bandwidth_read"] in format_speed(r)
+    from specdecode.models.kernels import kernel_kind
+
+    if kernel_kind() in ("avx512", "avx2"):  # every matrix on the kernel: the curve has its floor
+        floor = r["verify_floor"]
+        assert floor["1"] == 1.0 and list(floor.values()) == sorted(floor.values())
+        assert r["multiply_add_peaks_g_per_s"].keys() == {kernel_kind()} and "its floor" in format_speed(r)
+    else:
+        assert r["verify_floor"] is None and "its floor" not in format_speed(r)
 
 
 @pytest.mark.real

@@ -21,6 +21,13 @@ That read is then timed again right after each native run, and the share of the 
 reached is the median of the repeats' shares: on a machine shared with other tenants the
 bandwidth moves by a third within minutes, so a rate and a limit read minutes apart would
 not measure the kernels.
+Beneath the verify curve v(n) (a pass over n tokens in one-token passes) stands its floor:
+a pass over n tokens performs n tokens' multiply-adds, which take at least that many at
+the peak rate of the instruction the products are made of (peak.cpp, timed on every
+thread). Where the floor of v(8) is well above 1, verification on this CPU is bound by
+arithmetic, and no kernel can make long drafts cheap; where it stays at 1, memory sets the
+cost. None is reported where the products are not the kernels' own, or run on AMX tiles,
+whose rate is far beyond what memory feeds them.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ SPEED_PROMPT = "Write a Python function that checks whether a number is prime, w
 
 
 STREAMS = (1, 2, 4, 8)  # runs a thread reads side by side, in the kernels' read
+PEAK_ITERATIONS = 1 << 24  # steps of each chain in one timed run of peak.cpp (its most): about 0.1 s
 
 
 def measure_bandwidth(megabytes: int = 2048, repeats: int = 3) -> tuple[float, str]:
@@ -100,6 +108,36 @@ def _fastest_rate(matrix: torch.Tensor, read: Callable[[], object], repeats: int
 def _reads(matrix: torch.Tensor, repeats: int) -> list[tuple[str, float]]:
     """(read, bytes per second of its fastest repeat) for each way of reading matrix."""
     return [(name, _fastest_rate(matrix, read, repeats)) for name, read in _read_functions(matrix).items()]
+
+
+def measure_multiply_add_peaks(repeats: int = 5) -> dict[str, float]:
+    """Multiply-adds a second that each product backend's instruction reaches at most on
+    this machine's threads, the fastest of `repeats` runs: "quant" (quantized blocks) and
+    the bf16 kernel's kind. Empty without the kernels, or with AMX (see above)."""
+    module = kernel()
+    if module is None or module.kind == "amx":
+        return {}
+    return {backend: max(module.multiply_add_peak(backend == "quant", PEAK_ITERATIONS)[0] for _ in range(repeats))
+            for backend in ("quant", module.kind)}
+
+
+def _matrices(model) -> list:
+    return [m for layer in model.layers for m in layer.matrices] + [model.lm_head]
+
+
+def multiply_add_seconds_per_token(model, peaks: dict[str, float]) -> float | None:
+    """The least time one token's multiply-adds take: each matrix's at its backend's peak.
+    None where a matrix runs on a backend with no measured peak (fp32 on oneDNN, say)."""
+    matrices = _matrices(model)
+    if any(m.backend not in peaks for m in matrices):
+        return None
+    return sum(m.in_features * m.out_features / peaks[m.backend] for m in matrices)
+
+
+def verify_floor(seconds_per_token: float, one_token_s: float, sizes) -> dict[str, float]:
+    """The least a pass over n tokens can cost in one-token passes: its multiply-adds at
+    the peak, or one pass, whichever takes longer."""
+    return {str(n): round(max(1.0, n * seconds_per_token / one_token_s), 3) for n in sizes}
 
 
 def read_again(megabytes: int, which: str, repeats: int = 3) -> Callable[[], float]:
@@ -240,6 +278,9 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
     del bandwidth_now, llamacpp_run  # the read buffer and llama.cpp's model: neither held while the passes are timed
     log("timing passes over 1, 2, 4, 8 and 16 tokens")
     curve = measure_verify_curve(model, CURVE_SIZES)
+    peaks = measure_multiply_add_peaks()
+    arithmetic_s = multiply_add_seconds_per_token(model, peaks)
+    peaks_used = {} if arithmetic_s is None else {m.backend: peaks[m.backend] for m in _matrices(model)}
 
     def median(timings: list[Timing], rate: str) -> float | None:
         return round(statistics.median(getattr(t, rate) for t in timings), 3) if timings else None
@@ -273,6 +314,9 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
         "llamacpp_end_to_end_tokens_per_s": median(llamacpp, "end_to_end_tokens_per_s"),
         "verify_curve": {str(n): round(curve[n] / curve[1], 3) for n in CURVE_SIZES},
         "one_token_pass_ms": round(1e3 * curve[1], 2),
+        "verify_floor": None if arithmetic_s is None else verify_floor(arithmetic_s, curve[1], CURVE_SIZES),
+        "multiply_adds_per_token": model.multiply_adds_per_token,
+        "multiply_add_peaks_g_per_s": {backend: round(rate / 1e9, 1) for backend, rate in peaks_used.items()},
         "weight_bytes_per_token": model.weight_bytes_per_token,
         "resident_weight_bytes": model.memory_bytes,
         "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
@@ -310,6 +354,12 @@ def format_speed(r: dict) -> str:
         f"  native reaches {100 * r['fraction_of_limit']:.0f}% of the limit (median of the repeats, each against "
         f"the bandwidth read right after it)",
         f"  a pass over n tokens against one ({r['one_token_pass_ms']:.1f} ms, after 256 cached): {curve}",
-        f"  weights held  {r['resident_weight_bytes'] / 1e9:.2f} GB",
     ]
+    if r["verify_floor"] is not None:
+        floor = "  ".join(f"v({n}) >= {v:.2f}" for n, v in r["verify_floor"].items() if n != "1")
+        peaks = ", ".join(f"{rate:.0f} G/s ({'quantized blocks' if backend == 'quant' else 'bf16 weights'})"
+                          for backend, rate in r["multiply_add_peaks_g_per_s"].items())
+        lines.append(f"  its floor, {r['multiply_adds_per_token'] / 1e9:.2f} G multiply-adds a token at this CPU's "
+                     f"peak of {peaks}: {floor}")
+    lines.append(f"  weights held  {r['resident_weight_bytes'] / 1e9:.2f} GB")
     return "\n".join(lines)

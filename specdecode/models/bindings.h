@@ -17,4 +17,5 @@ inline void define_shared_kernels(pybind11::module& m) {
   m.def("decoder_stack", &decoder_stack, free_gil);
   m.def("quant_linear", &quant_linear, free_gil);
   m.def("read_streams", &read_streams, free_gil);
+  m.def("multiply_add_peak", &multiply_add_peak, free_gil);
 }

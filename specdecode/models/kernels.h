@@ -18,6 +18,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
 torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated, int64_t hd);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 int64_t read_streams(torch::Tensor buffer, int64_t streams);
+std::vector<double> multiply_add_peak(bool quantized, int64_t iterations);
 torch::Tensor cache_attention(torch::Tensor qkv, torch::Tensor keys, torch::Tensor values, int64_t start,
                               torch::Tensor allowed, int64_t num_heads, int64_t num_kv_heads);
 std::vector<torch::Tensor> decoder_stack(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,

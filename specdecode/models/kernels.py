@@ -12,8 +12,9 @@ The rest is written once and compiled by every build at its own width: the fused
 ops of a layer (ops.cpp, over vec.h's vector type), the rotary embedding (rope.cpp), every
 layer of a pass in one call (decoder_layer.cpp) and the products over quantized GGUF
 blocks (quant_linear.cpp: AVX2, with VNNI's VPDPBUSD where the build has it, and AMX's
-TDPBSUD for passes over many rows), and a read of memory in several streams a thread, for
-`speed`'s bandwidth limit (bandwidth.cpp).
+TDPBSUD for passes over many rows), a read of memory in several streams a thread, for
+`speed`'s bandwidth limit (bandwidth.cpp), and the products' instruction run at its peak,
+for the floor `speed` sets under a verify pass (peak.cpp).
 
 `kernel()` returns the compiled module, or None where none can run (no AVX2, no compiler)
 so that `Linear` falls back to oneDNN or F.linear. The build (1-3 minutes) goes to
@@ -44,7 +45,7 @@ KERNEL_ENV = "SPECDECODE_KERNEL"
 KINDS = ("amx", "avx512", "avx2")  # the builds, best first
 CHOICES = ("auto", *KINDS, "onednn")
 _HERE = Path(__file__).parent
-_SHARED = ("ops.cpp", "rope.cpp", "decoder_layer.cpp", "quant_linear.cpp", "bandwidth.cpp")  # written once, every build
+_SHARED = ("ops.cpp", "rope.cpp", "decoder_layer.cpp", "quant_linear.cpp", "bandwidth.cpp", "peak.cpp")  # written once, every build
 SOURCES = {
     "amx": [_HERE / n for n in ("amx_linear.cpp", "avx512_attention.cpp", *_SHARED)],
     "avx512": [_HERE / n for n in ("avx512_linear.cpp", "avx512_attention.cpp", *_SHARED)],

@@ -239,6 +239,13 @@ class NativeModel:
         return sum(per_layer) + self.lm_head.nbytes
 
     @property
+    def multiply_adds_per_token(self) -> int:
+        """Multiply-adds of one token through every layer's matrices and the LM head: a pass
+        over n tokens performs n times as many, however it reads the weights."""
+        matrices = [l for layer in self.layers for l in layer.matrices] + [self.lm_head]
+        return sum(l.in_features * l.out_features for l in matrices)
+
+    @property
     def row_invariant_rows(self) -> int | None:
         """The most tokens a pass may hold and still give each bitwise a one-token pass's
         logits (None: any number); linear.py."""
