@@ -103,6 +103,7 @@ def test_no_product_outruns_the_peak_its_floor_is_taken_from(kernel_module):
     the fastest of many runs, stay under it. With AMX no peak is reported: its tiles run
     far faster than the instruction timed."""
     import torch
+    from gguf import GGMLQuantizationType as T
 
     from specdecode.models.linear import Linear
     from specdecode.models.quant import QuantLinear
@@ -114,8 +115,6 @@ def test_no_product_outruns_the_peak_its_floor_is_taken_from(kernel_module):
         return
     x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     weight = (torch.randn(1024, 4096, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
-    from gguf import GGMLQuantizationType as T
-
     products = {"quant": QuantLinear([random_blocks(T.Q4_K, 1024, 4096)]), kernel_module.kind: Linear(weight)}
     for backend, product in products.items():
         assert product.backend == backend
@@ -138,8 +137,8 @@ def test_the_verify_floor_takes_each_matrix_at_its_backends_peak():
     def matrix(backend, n_in, n_out):
         return SimpleNamespace(backend=backend, in_features=n_in, out_features=n_out)
 
-    layer = SimpleNamespace(matrices=[matrix("quant", 100, 300), matrix("avx2", 100, 100)])
-    model = SimpleNamespace(layers=[layer, layer], lm_head=matrix("quant", 100, 400))
+    layer = [matrix("quant", 100, 300), matrix("avx2", 100, 100)]
+    model = SimpleNamespace(matrices=layer + layer + [matrix("quant", 100, 400)])  # two layers, the LM head
     peaks = {"quant": 1e6, "avx2": 0.5e6}  # the bf16 matrices take twice as long a multiply-add
     seconds = speed.multiply_add_seconds_per_token(model, peaks)
     assert seconds == pytest.approx((2 * 30_000 + 40_000) / 1e6 + 2 * 10_000 / 0.5e6)  # 0.14 s

@@ -121,17 +121,12 @@ def measure_multiply_add_peaks(repeats: int = 5) -> dict[str, float]:
             for backend in ("quant", module.kind)}
 
 
-def _matrices(model) -> list:
-    return [m for layer in model.layers for m in layer.matrices] + [model.lm_head]
-
-
 def multiply_add_seconds_per_token(model, peaks: dict[str, float]) -> float | None:
     """The least time one token's multiply-adds take: each matrix's at its backend's peak.
     None where a matrix runs on a backend with no measured peak (fp32 on oneDNN, say)."""
-    matrices = _matrices(model)
-    if any(m.backend not in peaks for m in matrices):
+    if any(m.backend not in peaks for m in model.matrices):
         return None
-    return sum(m.in_features * m.out_features / peaks[m.backend] for m in matrices)
+    return sum(m.in_features * m.out_features / peaks[m.backend] for m in model.matrices)
 
 
 def verify_floor(seconds_per_token: float, one_token_s: float, sizes) -> dict[str, float]:
@@ -280,7 +275,7 @@ def run_speed(target: str, dtype: str | None = None, new_tokens: int = 64, repea
     curve = measure_verify_curve(model, CURVE_SIZES)
     peaks = measure_multiply_add_peaks()
     arithmetic_s = multiply_add_seconds_per_token(model, peaks)
-    peaks_used = {} if arithmetic_s is None else {m.backend: peaks[m.backend] for m in _matrices(model)}
+    peaks_used = {} if arithmetic_s is None else {m.backend: peaks[m.backend] for m in model.matrices}
 
     def median(timings: list[Timing], rate: str) -> float | None:
         return round(statistics.median(getattr(t, rate) for t in timings), 3) if timings else None

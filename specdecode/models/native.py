@@ -239,19 +239,22 @@ class NativeModel:
         return sum(per_layer) + self.lm_head.nbytes
 
     @property
+    def matrices(self) -> list[Linear | QuantLinear]:
+        """Every layer's matrices, then the LM head."""
+        return [l for layer in self.layers for l in layer.matrices] + [self.lm_head]
+
+    @property
     def multiply_adds_per_token(self) -> int:
-        """Multiply-adds of one token through every layer's matrices and the LM head: a pass
-        over n tokens performs n times as many, however it reads the weights."""
-        matrices = [l for layer in self.layers for l in layer.matrices] + [self.lm_head]
-        return sum(l.in_features * l.out_features for l in matrices)
+        """Multiply-adds of one token through every matrix: a pass over n tokens performs n
+        times as many, however it reads the weights."""
+        return sum(l.in_features * l.out_features for l in self.matrices)
 
     @property
     def row_invariant_rows(self) -> int | None:
         """The most tokens a pass may hold and still give each bitwise a one-token pass's
         logits (None: any number); linear.py."""
-        limits = [ROW_INVARIANT_ROWS[l.backend] for layer in self.layers for l in layer.matrices]
-        limits = [n for n in limits + [ROW_INVARIANT_ROWS[self.lm_head.backend]] if n is not None]
-        return min(limits, default=None)
+        limits = [ROW_INVARIANT_ROWS[l.backend] for l in self.matrices]
+        return min((n for n in limits if n is not None), default=None)
 
     @property
     def memory_bytes(self) -> int:
