@@ -32,9 +32,9 @@ constexpr int MADDUBS_CHAINS = 7;
 constexpr int64_t MAX_ITERATIONS = int64_t{1} << 24;  // float chains stay exact integers
 
 // The sum of every lane, read as Lane, of the chains' vectors, in double: no int32 or
-// float sum of lanes can wrap or round it. Each vector is taken by value: with the array
-// passed by reference, GCC kept the chains in memory inside the timed loop (fp32 FMAs ran
-// at a third of their rate).
+// float sum of lanes can wrap or round it. Each vector is copied by value before its
+// lanes are read: read through the chains' own addresses, GCC kept the chains in memory
+// inside the timed loop (fp32 FMAs ran at a third of their rate).
 template <typename Lane, typename Vector>
 double lane_sum(Vector v) {
   Lane lanes[sizeof(Vector) / sizeof(Lane)];
